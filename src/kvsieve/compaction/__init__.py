@@ -1,0 +1,5 @@
+"""Compaction: turn scores and per-head counts into the entries a cache keeps."""
+
+from kvsieve.compaction.evict import top_entries
+
+__all__ = ["top_entries"]
