@@ -28,10 +28,8 @@ def _store_mask(step: LayerStep, groups: int) -> torch.Tensor | None:
         return None
     mask = visibility_mask(step.query_positions, view.positions, view.valid, step.sliding_window)
     empty_row = ~mask.any(dim=-1, keepdim=True)
-    if view.valid is not None:
-        mask = mask | (empty_row & view.valid.unsqueeze(-2))
-    else:
-        mask = mask | empty_row
+    fallback = empty_row if view.valid is None else empty_row & view.valid.unsqueeze(-2)
+    mask = mask | fallback
     return mask.repeat_interleave(groups, dim=1)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def adaptive_counts(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def adaptive_counts(
+    scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Entries per head ``(batch, heads)``.
 
     Args:

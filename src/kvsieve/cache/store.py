@@ -129,7 +129,7 @@ class RaggedLayerStore:
         ``token_valid`` ``(batch, q)`` marks real tokens; padding tokens are not stored.
         Side data of new entries starts at 0.
         """
-        b, h, q, _ = keys.shape
+        h, q = keys.shape[1], keys.shape[2]
         if token_valid is None:
             counts = torch.full((self.segments,), q, dtype=torch.long)
         else:

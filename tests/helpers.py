@@ -1,0 +1,113 @@
+"""Shared helpers for the kvsieve tests (plain functions; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from conftest import PAD_ID, VOCAB
+from transformers import DynamicCache
+
+import kvsieve
+
+
+def prompt(batch: int = 1, length: int = 24, seed: int = 0) -> torch.Tensor:
+    """Random token ids ``(batch, length)`` avoiding pad/bos/eos (0, 1, 2)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Left-pad 1-D prompts with ``PAD_ID``; returns ids, attention_mask and the pad count per row."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    pads = []
+    for row, p in enumerate(prompts):
+        pad = width - len(p)
+        ids[row, pad:] = p
+        mask[row, pad:] = 1
+        pads.append(pad)
+    return ids, mask, pads
+
+
+def managed_layers(cache: kvsieve.KVCache) -> list[int]:
+    """Layers the policy manages (full attention); sliding-window layers are left to their window."""
+    return [i for i, w in enumerate(cache.info.sliding_windows) if w is None]
+
+
+def sliding_layers(cache: kvsieve.KVCache) -> list[int]:
+    return [i for i, w in enumerate(cache.info.sliding_windows) if w is not None]
+
+
+def generate(model, ids, cache, steps: int = 6, attention_mask=None):
+    """Greedy ``generate`` returning (sequences, per-step logits list)."""
+    out = model.generate(
+        ids,
+        attention_mask=attention_mask,
+        max_new_tokens=steps,
+        do_sample=False,
+        past_key_values=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, list(out.logits)
+
+
+def decode_loop(
+    model,
+    cache,
+    ids: torch.Tensor,
+    steps: int,
+    after_step: Callable[[int], None] | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Prefill ``ids`` then greedily decode ``steps`` tokens with explicit forward calls.
+
+    ``after_step(i)`` runs after the prefill (i = 0) and after every decoding forward (i = 1..steps).
+    Returns the generated tokens ``(batch, steps)`` and the logits of every forward's last position.
+    """
+    out = model(ids, attention_mask=attention_mask, past_key_values=cache)
+    logits = [out.logits[:, -1]]
+    if after_step is not None:
+        after_step(0)
+    tokens = []
+    mask = attention_mask
+    for i in range(1, steps + 1):
+        token = logits[-1].argmax(-1, keepdim=True)
+        tokens.append(token)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(token, attention_mask=mask, past_key_values=cache)
+        logits.append(out.logits[:, -1])
+        if after_step is not None:
+            after_step(i)
+    return torch.cat(tokens, dim=1), logits
+
+
+def reference_cache(ref_model, ids: torch.Tensor, attention_mask=None) -> tuple[DynamicCache, torch.Tensor]:
+    """Plain transformers prefill: the DynamicCache and the logits."""
+    dyn = DynamicCache(config=ref_model.config)
+    out = ref_model(ids, attention_mask=attention_mask, past_key_values=dyn)
+    return dyn, out.logits
+
+
+def all_kept_positions(cache) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    lengths = cache.head_lengths()
+    layers, batch, heads = lengths.shape
+    for layer in range(layers):
+        for b in range(batch):
+            for h in range(heads):
+                yield layer, b, h, cache.kept_positions(layer, b, h)
+
+
+@contextmanager
+def kvsieve_warnings() -> Iterator[list[str]]:
+    """Collect the messages of every warning kvsieve emits inside the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        messages: list[str] = []
+        yield messages
+    messages.extend(str(w.message) for w in caught if "kvsieve" in str(w.message))

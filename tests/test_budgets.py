@@ -1,0 +1,279 @@
+"""Budgets per head at every step, per-layer/per-head allocations, and byte accounting."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import GEMMA3_SLIDING_WINDOW
+from helpers import all_kept_positions, decode_loop, managed_layers, prompt, sliding_layers
+
+import kvsieve
+from kvsieve.policies.pyramidkv import PyramidKV
+
+PROMPT_LEN, BUDGET = 24, 8
+POSITION_BYTES = 8  # int64 absolute position per entry
+
+
+def kv_entry_bytes(cache) -> int:
+    return 2 * cache.info.head_dim * 4  # fp32 key + value
+
+
+def max_managed(cache) -> int:
+    return int(cache.head_lengths()[managed_layers(cache)].max())
+
+
+UNIFORM = {
+    "random": {"budget": BUDGET},
+    "streaming_llm": {"budget": BUDGET},
+    "h2o": {"budget": BUDGET},
+    "tova": {"budget": BUDGET},
+    "snapkv": {"budget": BUDGET, "window": 4},
+}
+
+
+@pytest.mark.parametrize("policy", list(UNIFORM))
+def test_prefill_keeps_exactly_budget_per_head(arch, model, policy):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=21)
+    cache = kvsieve.KVCache(model, policy, **UNIFORM[policy])
+    model(ids, past_key_values=cache)
+    lengths = cache.head_lengths()
+    assert lengths.shape == (3, 2, 2)  # (layers, batch, kv heads)
+    assert (lengths[managed_layers(cache)] == BUDGET).all()
+    for layer in sliding_layers(cache):
+        assert (lengths[layer] <= GEMMA3_SLIDING_WINDOW).all()
+    # capacity shrinks to what is kept: allocated bytes == used bytes right after compaction
+    assert cache.nbytes == cache.used_nbytes
+    assert cache.kv_nbytes() == int(lengths.sum()) * kv_entry_bytes(cache)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streaming_llm", "random"])
+@pytest.mark.parametrize("buffer", [0, 3])
+def test_decode_schedule_respects_budget_every_step(arch, model, policy, buffer):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=22)
+    cache = kvsieve.KVCache(model, policy, budget=BUDGET, schedule="decode", buffer=buffer)
+    managed = managed_layers(cache)
+    history: list[torch.Tensor] = []
+
+    def check(step: int) -> None:
+        lengths = cache.head_lengths()[managed]
+        assert (lengths <= BUDGET + buffer).all(), f"step {step}: {lengths.tolist()}"
+        assert (lengths >= BUDGET).all(), f"step {step}: evicted below budget {lengths.tolist()}"
+        history.append(lengths.clone())
+
+    decode_loop(model, cache, ids, steps=12, after_step=check)
+    maxima = [int(h.max()) for h in history]
+    assert maxima[0] == BUDGET  # the prompt is compressed right away
+    if buffer == 0:
+        assert maxima == [BUDGET] * 13
+    else:
+        # grows one per step up to budget + buffer, then drops back to budget
+        period = buffer + 1
+        assert maxima[: 2 * period + 1] == [BUDGET + i % period for i in range(2 * period + 1)]
+    assert cache.get_seq_length() == PROMPT_LEN + 12
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streaming_llm"])
+def test_decode_schedule_evicts_even_when_prompt_fits(model, policy):
+    """A short prompt is kept whole; eviction starts once decoding passes budget + buffer."""
+    ids = prompt(batch=1, length=5, seed=23)
+    cache = kvsieve.KVCache(model, policy, budget=BUDGET, schedule="decode", buffer=2)
+    maxima: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore"
+        )  # whether a short prompt under schedule="decode" warns is not tested here
+        decode_loop(model, cache, ids, steps=10, after_step=lambda _: maxima.append(max_managed(cache)))
+    assert maxima[:6] == [5, 6, 7, 8, 9, 10]
+    assert max(maxima) == BUDGET + 2
+    assert maxima[6] == BUDGET
+
+
+def test_prefill_schedule_does_not_evict_while_decoding(model):
+    ids = prompt(batch=1, length=PROMPT_LEN, seed=24)
+    cache = kvsieve.KVCache(model, "h2o", budget=BUDGET)
+    maxima: list[int] = []
+    decode_loop(model, cache, ids, steps=5, after_step=lambda _: maxima.append(max_managed(cache)))
+    assert maxima == [BUDGET + i for i in range(6)]
+
+
+def test_streaming_llm_keeps_sinks_and_most_recent(arch, model):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=25)
+    cache = kvsieve.KVCache(model, "streaming_llm", budget=BUDGET, schedule="decode")
+    managed = managed_layers(cache)
+
+    def check(step: int) -> None:
+        seen = cache.get_seq_length()
+        expected = [0, 1, 2, 3, *range(seen - (BUDGET - 4), seen)]
+        for layer, b, h, positions in all_kept_positions(cache):
+            if layer in managed:
+                assert positions.tolist() == expected, f"step {step} layer {layer} b {b} h {h}"
+
+    decode_loop(model, cache, ids, steps=6, after_step=check)
+
+
+def test_streaming_llm_custom_sinks(model):
+    cache = kvsieve.KVCache(model, "streaming_llm", budget=BUDGET, sinks=2)
+    model(prompt(length=PROMPT_LEN, seed=26), past_key_values=cache)
+    for layer, _, _, positions in all_kept_positions(cache):
+        if layer in managed_layers(cache):
+            assert positions.tolist() == [0, 1, *range(PROMPT_LEN - 6, PROMPT_LEN)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [
+        ("snapkv", {"budget": BUDGET, "window": 4}),
+        ("snapkv", {"budget": BUDGET, "window": 8}),
+        ("snapkv", {"ratio": 0.5, "window": 5}),
+        ("pyramidkv", {"budget": BUDGET, "window": 4}),
+        ("adakv", {"budget": BUDGET, "window": 4}),
+        ("random", {"budget": BUDGET, "window": 3}),
+    ],
+)
+def test_window_is_always_kept(arch, model, policy, params):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=27)
+    cache = kvsieve.KVCache(model, policy, **params)
+    model(ids, past_key_values=cache)
+    window = params["window"]
+    tail = list(range(PROMPT_LEN - window, PROMPT_LEN))
+    for layer, _, _, positions in all_kept_positions(cache):
+        if layer in managed_layers(cache):
+            assert positions[-window:].tolist() == tail
+
+
+def test_ratio_keeps_ceiling_fraction(model):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=28)
+    for ratio in (0.25, 0.5, 0.9):
+        cache = kvsieve.KVCache(model, "h2o", ratio=ratio)
+        model(ids, past_key_values=cache)
+        expected = math.ceil(PROMPT_LEN * (1 - ratio))
+        assert (cache.head_lengths()[managed_layers(cache)] == expected).all(), ratio
+
+
+def test_pyramidkv_layer_budgets_decrease(arch, model):
+    ids = prompt(batch=2, length=40, seed=29)
+    policy = PyramidKV(budget=12, window=4)
+    num_layers = 3
+    budgets = [policy.layer_budget(i, num_layers) for i in range(num_layers)]
+    assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
+    assert budgets[0] > budgets[-1]
+    assert sum(budgets) <= num_layers * 12
+    assert min(budgets) >= 4  # never below the window
+    cache = kvsieve.KVCache(model, policy)
+    model(ids, past_key_values=cache)
+    lengths = cache.head_lengths()
+    for layer in managed_layers(cache):
+        assert (lengths[layer] == budgets[layer]).all(), (layer, lengths[layer].tolist(), budgets)
+    managed = managed_layers(cache)
+    assert int(lengths[managed].sum()) <= len(managed) * 2 * 2 * 12
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "budget", "window"),
+    [(3, 8, 4), (2, 12, 12), (8, 64, 8), (30, 64, 32), (32, 8, 4), (1, 8, 4)],
+)
+def test_pyramidkv_budget_schedule_properties(num_layers, budget, window):
+    """Budgets decrease with depth and never exceed ``layers × budget`` in total (METHODS.md: the
+    pyramid redistributes the same total), whatever the layer count."""
+    policy = PyramidKV(budget=budget, window=window)
+    budgets = [policy.layer_budget(i, num_layers) for i in range(num_layers)]
+    assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
+    assert sum(budgets) <= num_layers * budget, budgets
+    assert min(budgets) >= max(window, 1), budgets
+
+
+def test_adakv_allocation(arch, model):
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=30)
+    cache = kvsieve.KVCache(model, "adakv", budget=BUDGET, window=4)
+    model(ids, past_key_values=cache)
+    lengths = cache.head_lengths()
+    managed = managed_layers(cache)
+    heads = cache.info.num_kv_heads
+    # each layer's total per batch item is heads × budget ...
+    assert (lengths[managed].sum(dim=-1) == heads * BUDGET).all(), lengths.tolist()
+    # ... but heads really differ (ragged storage, not a padded max)
+    assert bool((lengths[managed].amax(-1) != lengths[managed].amin(-1)).any()), lengths.tolist()
+    # floor α·B per head, never more than held
+    assert (lengths[managed] >= int(0.2 * BUDGET)).all()
+    assert (lengths[managed] <= PROMPT_LEN).all()
+    # used bytes are the per-head counts, not heads × max
+    per_entry = kv_entry_bytes(cache) + POSITION_BYTES
+    assert cache.used_nbytes == int(lengths.sum()) * per_entry
+    assert cache.kv_nbytes() == int(lengths.sum()) * kv_entry_bytes(cache)
+    padded = sum(int(lengths[layer].max()) * lengths.shape[1] * heads for layer in range(lengths.shape[0]))
+    assert int(lengths.sum()) < padded
+    for layer, b, h, positions in all_kept_positions(cache):
+        assert len(positions) == int(lengths[layer, b, h])
+        assert cache.kept_entries(layer, b, h)[0].shape[0] == len(positions)
+
+
+def test_used_nbytes_counts_side_data_and_slack(model):
+    """h2o keeps one float32 accumulator per entry (managed layers only); decoding adds growth slack
+    to ``nbytes`` but not to ``used_nbytes``."""
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=31)
+    cache = kvsieve.KVCache(model, "h2o", budget=BUDGET)
+
+    def expected_used() -> int:
+        lengths = cache.head_lengths()
+        base = int(lengths.sum()) * (kv_entry_bytes(cache) + POSITION_BYTES)
+        return base + int(lengths[managed_layers(cache)].sum()) * 4
+
+    model(ids, past_key_values=cache)
+    assert cache.used_nbytes == expected_used()
+    model(ids[:, :1], past_key_values=cache)
+    assert cache.used_nbytes == expected_used()
+    assert cache.nbytes > cache.used_nbytes
+
+
+def test_sliding_layers_hold_only_visible_entries(fresh_model):
+    """Gemma3 sliding layers: every held entry must still be visible to the next query.
+
+    A query at position ``p`` sees keys ``k`` with ``p - k < window``; after ``seen`` tokens the next
+    query is at ``seen``, so positions ``≤ seen - window`` are dead weight. transformers'
+    ``DynamicSlidingWindowLayer`` holds ``window - 1`` entries for the same reason.
+    """
+    gemma = fresh_model("gemma3")
+    ids = prompt(batch=1, length=PROMPT_LEN, seed=32)
+    cache = kvsieve.KVCache(gemma, "full")
+    window = GEMMA3_SLIDING_WINDOW
+
+    def check(step: int) -> None:
+        seen = cache.get_seq_length()
+        for layer, _, _, positions in all_kept_positions(cache):
+            if layer in sliding_layers(cache):
+                assert int(positions.min()) > seen - window, (step, layer, positions.tolist())
+                assert len(positions) <= window - 1
+
+    decode_loop(gemma, cache, ids, steps=3, after_step=check)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_model_with_a_global_sliding_window_is_not_silently_uncompressed(arch):
+    """Mistral-7B-v0.1 (sliding_window=4096) and Phi-3-mini (2047) mark *every* layer as sliding, so no
+    layer is managed and ``snapkv(budget=8)`` keeps the whole 24-token prompt without a word. kvsieve
+    must compress (the window is far longer than the context) or at least refuse/warn."""
+    from conftest import build_model
+    from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    base = build_model(arch)
+    config_cls, model_cls = (
+        (MistralConfig, MistralForCausalLM) if arch == "mistral" else (Phi3Config, Phi3ForCausalLM)
+    )
+    config = config_cls.from_dict({**base.config.to_dict(), "sliding_window": 4096})
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval()
+    ids = prompt(batch=1, length=PROMPT_LEN, seed=33)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = kvsieve.KVCache(model, "snapkv", budget=BUDGET, window=4)
+            model(ids, past_key_values=cache)
+    except (kvsieve.UnsupportedArchitectureError, kvsieve.PolicyConfigError):
+        return  # refusing is acceptable
+    warned = any("kvsieve" in str(w.message) for w in caught)
+    compressed = int(cache.head_lengths().max()) <= BUDGET
+    assert compressed or warned, f"held {cache.head_lengths().tolist()} with budget {BUDGET}, no warning"

@@ -1,0 +1,245 @@
+"""With nothing evicted, kvsieve must reproduce plain transformers (sdpa + DynamicCache).
+
+Exactness: forward logits are bit-identical (``torch.equal``) for every architecture, and so are greedy
+tokens and per-step logits, except Gemma3's per-step decoding logits, compared with ``atol=1e-5``
+(observed ≤ 3e-7): its sliding-window layers attend over a differently sized (masked) key set than
+transformers' ``DynamicSlidingWindowLayer``, so SDPA reduces in a different order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate, kvsieve_warnings, managed_layers, prompt, reference_cache, sliding_layers
+from transformers import DynamicCache
+
+import kvsieve
+
+PROMPT_LEN, STEPS = 24, 6
+GEMMA3_DECODE_ATOL = 1e-5
+
+#: (policy, params, whether the "nothing was compressed" warning is due)
+NO_EVICTION = {
+    "full": ("full", {}, False),
+    "snapkv-budget-ge-prompt": ("snapkv", {"budget": PROMPT_LEN + 8, "window": 4}, True),
+    "snapkv-budget-eq-prompt": ("snapkv", {"budget": PROMPT_LEN, "window": 4}, True),
+    "snapkv-ratio0": ("snapkv", {"ratio": 0.0}, True),
+    "h2o-ratio0": ("h2o", {"ratio": 0.0}, True),
+    "streaming-decode-budget-ge-total": ("streaming_llm", {"budget": 64, "schedule": "decode"}, True),
+    "tova-decode-budget-ge-total": ("tova", {"budget": 64, "schedule": "decode", "buffer": 2}, True),
+}
+
+
+def assert_logits_match(
+    arch: str, ours: list[torch.Tensor], ref: list[torch.Tensor], first_exact: bool = True
+) -> None:
+    """Bit-identical, except gemma3 steps that read its sliding layers' history (atol 1e-5)."""
+    assert len(ours) == len(ref)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if arch == "gemma3" and (step > 0 or not first_exact):
+            torch.testing.assert_close(a, b, atol=GEMMA3_DECODE_ATOL, rtol=0, msg=f"step {step}")
+        else:
+            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("case", list(NO_EVICTION))
+def test_forward_logits_identical(arch, model, ref_model, case):
+    policy, params, warns = NO_EVICTION[case]
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=1)
+    _, ref_logits = reference_cache(ref_model, ids)
+    cache = kvsieve.KVCache(model, policy, **params)
+    if warns:
+        with pytest.warns(UserWarning, match="nothing was compressed"):
+            logits = model(ids, past_key_values=cache).logits
+    else:
+        with kvsieve_warnings() as messages:
+            logits = model(ids, past_key_values=cache).logits
+        assert messages == []
+    assert torch.equal(logits, ref_logits)
+    assert cache.get_seq_length() == PROMPT_LEN
+    # nothing evicted: managed layers hold the whole prompt
+    lengths = cache.head_lengths()
+    assert (lengths[managed_layers(cache)] == PROMPT_LEN).all()
+
+
+@pytest.mark.parametrize("case", list(NO_EVICTION))
+def test_generate_identical(arch, model, ref_model, case):
+    policy, params, warns = NO_EVICTION[case]
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=2)
+    ref_seq, ref_logits = generate(ref_model, ids, DynamicCache(config=ref_model.config), STEPS)
+    cache = kvsieve.KVCache(model, policy, **params)
+    if warns:
+        with pytest.warns(UserWarning, match="nothing was compressed"):
+            seq, logits = generate(model, ids, cache, STEPS)
+    else:
+        seq, logits = generate(model, ids, cache, STEPS)
+    assert torch.equal(seq, ref_seq)
+    assert_logits_match(arch, logits, ref_logits)
+    assert cache.get_seq_length() == PROMPT_LEN + STEPS - 1
+
+
+def test_noop_warning_only_once_per_cache(model):
+    """The no-op warning is emitted once (first managed layer, first prefill), not per layer/step."""
+    cache = kvsieve.KVCache(model, "snapkv", budget=64, window=4)
+    with kvsieve_warnings() as messages:
+        generate(model, prompt(length=12), cache, 3)
+        model(prompt(length=5, seed=9), past_key_values=cache)  # a second chunk, still under budget
+    assert len(messages) == 1
+    assert "nothing was compressed" in messages[0]
+
+
+def test_real_eviction_does_not_warn(model):
+    cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
+    with kvsieve_warnings() as messages:
+        model(prompt(length=PROMPT_LEN), past_key_values=cache)
+    assert messages == []
+
+
+def test_pyramidkv_no_warning_when_deeper_layers_compress():
+    """pyramidkv(budget=8, window=4) on 3 layers: layer budgets 12, 8, 4. An 11-token prompt fits
+    layer 0 but layers 1 and 2 are compressed, so "nothing was compressed" would be false."""
+    from conftest import get_model
+
+    model = get_model("llama", "kv")
+    cache = kvsieve.KVCache(model, "pyramidkv", budget=8, window=4)
+    with kvsieve_warnings() as messages:
+        model(prompt(length=11), past_key_values=cache)
+    assert cache.head_lengths()[:, 0, 0].tolist() == [11, 8, 4]  # really compressed
+    assert not any("nothing was compressed" in m for m in messages), messages
+
+
+def test_prepared_model_without_kvsieve_cache_is_plain_sdpa(arch, ref_model, fresh_model):
+    """``prepare_model`` alone changes nothing: forward (padded and not) and default-cache generate."""
+    model = kvsieve.prepare_model(fresh_model(arch))
+    assert model.config._attn_implementation == "kvsieve"
+    ids = prompt(batch=2, length=20, seed=3)
+    assert torch.equal(model(ids).logits, ref_model(ids).logits)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ours, ref = model(ids, attention_mask=mask).logits, ref_model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.equal(ours[real], ref[real])
+    seq, logits = generate(model, ids, None, 5, attention_mask=mask)
+    ref_seq, ref_logits = generate(ref_model, ids, None, 5, attention_mask=mask)
+    assert torch.equal(seq, ref_seq)
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_full_kv_bytes_equal_dynamic_cache(arch, model, ref_model):
+    """A ``full`` cache holds exactly the K/V bytes a DynamicCache holds (same entries, no padding)."""
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=4)
+    dyn, _ = reference_cache(ref_model, ids)
+    cache = kvsieve.KVCache(model, "full")
+    model(ids, past_key_values=cache)
+    layers = managed_layers(cache)  # sliding layers: see test_budgets.test_sliding_layers_*
+    expected = sum(dyn.layers[i].keys.nbytes + dyn.layers[i].values.nbytes for i in layers)
+    held = int(cache.head_lengths()[layers].sum())
+    assert held * 2 * cache.info.head_dim * 4 == expected  # fp32 keys + values
+    if not sliding_layers(cache):
+        assert cache.kv_nbytes() == expected
+
+
+# ---------------------------------------------------------------------------------------- exact_topk
+
+
+def test_exact_topk_with_budget_ge_context_matches_full(arch, model):
+    """k ≥ every context length: selection is a no-op (fp32 softmax vs SDPA: atol 1e-5)."""
+    ids = prompt(batch=2, length=20, seed=5)
+    full_cache = kvsieve.KVCache(model, "full")
+    full_seq, full_logits = generate(model, ids, full_cache, STEPS)
+    cache = kvsieve.KVCache(model, "exact_topk", budget=64)
+    seq, logits = generate(model, ids, cache, STEPS)
+    assert torch.equal(seq, full_seq)
+    for a, b in zip(logits, full_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert torch.equal(cache.head_lengths(), full_cache.head_lengths())
+
+
+def test_exact_topk_small_budget_differs_but_keeps_everything(arch, model):
+    ids = prompt(batch=2, length=20, seed=5)
+    full_cache = kvsieve.KVCache(model, "full")
+    _, full_logits = generate(model, ids, full_cache, STEPS)
+    cache = kvsieve.KVCache(model, "exact_topk", budget=4)
+    _, logits = generate(model, ids, cache, STEPS)
+    # prefill attention is dense: the first step is identical
+    assert torch.equal(logits[0], full_logits[0])
+    # decoding attention is sparse: later steps differ
+    assert max((a - b).abs().max().item() for a, b in zip(logits[1:], full_logits[1:], strict=True)) > 1e-3
+    # selection, not eviction: every entry is still held, same bytes
+    assert torch.equal(cache.head_lengths(), full_cache.head_lengths())
+    assert cache.kv_nbytes() == full_cache.kv_nbytes()
+    for layer in range(cache.head_lengths().shape[0]):
+        assert torch.equal(cache.kept_positions(layer, 1, 1), full_cache.kept_positions(layer, 1, 1))
+
+
+def test_topk_attention_matches_manual_selection():
+    """Unit check of the selection kernel against a hand-written top-k softmax."""
+    from kvsieve.compaction.select import topk_attention
+
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, groups, length, dim, k = 2, 2, 2, 11, 8, 3
+    query = torch.randn(batch, kv_heads * groups, 1, dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    values = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    scaling = dim**-0.5
+    out = topk_attention(query, keys, values, None, k, scaling)
+    assert out.shape == (batch, 1, kv_heads * groups, dim)
+    for b in range(batch):
+        for qh in range(kv_heads * groups):
+            kh = qh // groups
+            logits = keys[b, kh] @ query[b, qh, 0] * scaling
+            top = torch.topk(logits, k).indices
+            probs = torch.softmax(logits[top], dim=0)
+            expected = probs @ values[b, kh, top]
+            torch.testing.assert_close(out[b, 0, qh], expected, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------ beam search and multi-turn
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_beam_search_full_matches_sdpa(arch):
+    """Beam search reorders the cache every step (``reorder_cache`` → ``select_batch``)."""
+    from conftest import get_model
+
+    model, ref_model = get_model(arch, "kv"), get_model(arch, "ref")
+    ids = prompt(batch=2, length=20, seed=6)
+    kwargs = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False}
+    expected = ref_model.generate(ids, past_key_values=DynamicCache(config=ref_model.config), **kwargs)
+    cache = kvsieve.KVCache(model, "full")
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), expected)
+    assert cache.head_lengths().shape[1] == 2 * 3
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", "h2o"])
+def test_beam_search_with_compression_keeps_budget(model, policy):
+    params = (
+        {"budget": 8, "window": 4} if policy != "h2o" else {"budget": 8, "schedule": "decode", "buffer": 1}
+    )
+    cache = kvsieve.KVCache(model, policy, **params)
+    ids = prompt(batch=2, length=20, seed=7)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False)
+    assert out.shape == (2, 25)
+    lengths = cache.head_lengths()[managed_layers(cache)]
+    assert lengths.shape[1] == 6
+    if policy == "adakv":  # ragged heads; per layer and beam: heads × (budget + 4 decoded tokens)
+        assert (lengths.sum(-1) == 2 * 8 + 2 * 4).all()
+    elif policy == "h2o":  # decoding-time eviction: budget ≤ held ≤ budget + buffer
+        assert ((lengths >= 8) & (lengths <= 8 + 1)).all()
+    else:
+        assert (lengths == 8 + 4).all()
+
+
+def test_multi_turn_generate_full_matches_sdpa(arch, model, ref_model):
+    """A second ``generate`` on the same cache only feeds the unseen tokens (logical length)."""
+    ids, turn = prompt(length=20, seed=8), prompt(length=7, seed=9)
+    dyn = DynamicCache(config=ref_model.config)
+    ref_first, _ = generate(ref_model, ids, dyn, 5)
+    ref_seq, ref_logits = generate(ref_model, torch.cat([ref_first, turn], 1), dyn, 5)
+    cache = kvsieve.KVCache(model, "full")
+    first, _ = generate(model, ids, cache, 5)
+    seq, logits = generate(model, torch.cat([first, turn], 1), cache, 5)
+    assert torch.equal(seq, ref_seq)
+    assert_logits_match(arch, logits, ref_logits, first_exact=False)
+    assert cache.get_seq_length() == dyn.get_seq_length() == 20 + 5 + 7 + 4

@@ -1,0 +1,227 @@
+"""Unit tests of ``RaggedLayerStore``: append / keep / dense / select_batch round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsieve.cache.store import GROWTH, RaggedLayerStore
+
+B, H, D = 2, 3, 4
+
+
+def make_store() -> RaggedLayerStore:
+    return RaggedLayerStore(B, H, D, torch.float32, torch.device("cpu"))
+
+
+def kv(q: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, q, D, generator=generator), torch.randn(B, H, q, D, generator=generator)
+
+
+def segment(store: RaggedLayerStore, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s = b * store.heads + h
+    start, length = int(store.start[s]), int(store.length[s])
+    return (
+        store.keys[start : start + length],
+        store.values[start : start + length],
+        store.positions[start : start + length],
+    )
+
+
+def test_empty_store():
+    store = make_store()
+    assert store.lengths().shape == (B, H)
+    assert int(store.lengths().sum()) == 0
+    assert store.nbytes() == store.used_nbytes() == 0
+    view = store.dense()
+    assert view.keys.shape == (B, H, 0, D)
+    assert view.valid is None
+
+
+def test_uniform_append_dense_is_zero_copy_view():
+    store = make_store()
+    keys, values = kv(5)
+    store.append(keys, values, torch.arange(5), None)
+    assert store.is_uniform()
+    view = store.dense()
+    assert view.valid is None
+    assert torch.equal(view.keys, keys) and torch.equal(view.values, values)
+    assert torch.equal(view.positions, torch.arange(5).expand(B, H, 5))
+    # zero-copy: a view into the flat buffers, not a gathered copy
+    assert view.keys.untyped_storage().data_ptr() == store.keys.untyped_storage().data_ptr()
+    assert view.values.untyped_storage().data_ptr() == store.values.untyped_storage().data_ptr()
+    store.keys[0] += 1.0  # a write through the buffer shows up in the view
+    assert torch.equal(view.keys[0, 0, 0], keys[0, 0, 0] + 1.0)
+
+
+def test_append_grows_with_slack_and_preserves_entries():
+    store = make_store()
+    k1, v1 = kv(3, seed=1)
+    k2, v2 = kv(1, seed=2)
+    store.append(k1, v1, torch.arange(3), None)
+    assert (store.capacity == 3 + GROWTH).all()
+    store.append(k2, v2, torch.tensor([3]), None)  # fits in the slack: no relayout
+    assert (store.capacity == 3 + GROWTH).all()
+    view = store.dense()
+    assert torch.equal(view.keys, torch.cat([k1, k2], dim=2))
+    assert torch.equal(view.values, torch.cat([v1, v2], dim=2))
+    assert store.used_nbytes() == B * H * 4 * (2 * D * 4 + 8)
+    assert store.nbytes() == B * H * (3 + GROWTH) * (2 * D * 4 + 8)
+
+
+def test_ragged_append_skips_padding():
+    store = make_store()
+    keys, values = kv(4, seed=3)
+    valid = torch.tensor([[False, True, True, True], [False, False, False, True]])
+    store.append(keys, values, torch.arange(4), valid)
+    assert store.lengths().tolist() == [[3] * H, [1] * H]
+    for h in range(H):
+        k, v, p = segment(store, 0, h)
+        assert torch.equal(k, keys[0, h, 1:]) and torch.equal(v, values[0, h, 1:])
+        assert p.tolist() == [1, 2, 3]
+        k, v, p = segment(store, 1, h)
+        assert torch.equal(k, keys[1, h, 3:]) and p.tolist() == [3]
+    view = store.dense()
+    assert view.valid is not None
+    assert view.keys.shape == (B, H, 3, D)
+    assert view.valid[0].all() and view.valid[1].sum(dim=-1).tolist() == [1] * H
+    assert torch.equal(view.keys[1, :, 0], keys[1, :, 3])
+    assert torch.equal(view.positions[0, 0], torch.tensor([1, 2, 3]))
+    # a second ragged append lands after each segment's own entries
+    k2, v2 = kv(1, seed=4)
+    store.append(k2, v2, torch.tensor([4]), None)
+    assert store.lengths().tolist() == [[4] * H, [2] * H]
+    k, _, p = segment(store, 1, 2)
+    assert p.tolist() == [3, 4]
+    assert torch.equal(k, torch.stack([keys[1, 2, 3], k2[1, 2, 0]]))
+
+
+def test_keep_copies_exact_entries_and_shrinks_capacity():
+    store = make_store()
+    keys, values = kv(6, seed=5)
+    store.append(keys, values, torch.arange(10, 16), None)
+    counts = torch.tensor([2, 0, 3, 1, 6, 4])
+    local = torch.full((B * H, 6), 6, dtype=torch.long)  # filler past counts is ignored
+    choices = [[1, 4], [], [0, 2, 5], [3], [0, 1, 2, 3, 4, 5], [0, 1, 4, 5]]
+    for s, chosen in enumerate(choices):
+        local[s, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
+    store.keep(local, counts)
+    assert store.lengths().reshape(-1).tolist() == counts.tolist()
+    assert torch.equal(store.capacity, counts)
+    assert store.keys.shape[0] == int(counts.sum())
+    assert store.nbytes() == store.used_nbytes()
+    for s, chosen in enumerate(choices):
+        b, h = divmod(s, H)
+        k, v, p = segment(store, b, h)
+        assert torch.equal(k, keys[b, h, chosen]) and torch.equal(v, values[b, h, chosen])
+        assert p.tolist() == [10 + c for c in chosen]
+    view = store.dense()
+    assert view.valid is not None and view.valid.sum().item() == int(counts.sum())
+    assert torch.equal(view.keys[0, 2][:3], keys[0, 2, [0, 2, 5]])
+    # appending after a ragged keep relayouts and keeps everything in place
+    k2, v2 = kv(1, seed=6)
+    store.append(k2, v2, torch.tensor([16]), None)
+    for s, chosen in enumerate(choices):
+        b, h = divmod(s, H)
+        k, _, p = segment(store, b, h)
+        assert torch.equal(k, torch.cat([keys[b, h, chosen], k2[b, h]]))
+        assert p.tolist() == [*(10 + c for c in chosen), 16]
+
+
+def test_keep_everything_removed_then_append():
+    store = make_store()
+    keys, values = kv(3, seed=7)
+    store.append(keys, values, torch.arange(3), None)
+    store.keep(torch.zeros(B * H, 0, dtype=torch.long), torch.zeros(B * H, dtype=torch.long))
+    assert int(store.lengths().sum()) == 0 and store.keys.shape[0] == 0
+    k2, v2 = kv(2, seed=8)
+    store.append(k2, v2, torch.tensor([3, 4]), None)
+    assert torch.equal(store.dense().keys, k2)
+    assert torch.equal(store.dense().positions[0, 0], torch.tensor([3, 4]))
+
+
+def test_uniform_keep_gives_uniform_view():
+    store = make_store()
+    keys, values = kv(5, seed=9)
+    store.append(keys, values, torch.arange(5), None)
+    local = torch.tensor([[0, 2, 4]] * (B * H))
+    store.keep(local, torch.full((B * H,), 3))
+    assert store.is_uniform()
+    view = store.dense()
+    assert view.valid is None
+    assert torch.equal(view.keys, keys[:, :, [0, 2, 4]])
+
+
+@pytest.mark.parametrize("index", [[1, 0], [1, 1, 0], [0], [1]])
+def test_select_batch_reorders_and_repeats(index):
+    store = make_store()
+    keys, values = kv(4, seed=10)
+    valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    store.append(keys, values, torch.arange(4), valid)
+    store.ensure_extra("acc")
+    store.add_dense("acc", torch.arange(B * H * 4, dtype=torch.float32).view(B, H, 4))
+    before = {(b, h): segment(store, b, h) for b in range(B) for h in range(H)}
+    acc_before = store.dense().extras["acc"].clone()
+    store.select_batch(torch.tensor(index))
+    assert store.batch == len(index)
+    assert store.lengths().shape == (len(index), H)
+    for new_b, old_b in enumerate(index):
+        for h in range(H):
+            k, v, p = segment(store, new_b, h)
+            ok, ov, op = before[(old_b, h)]
+            assert torch.equal(k, ok) and torch.equal(v, ov) and torch.equal(p, op)
+            n = len(p)
+            assert torch.equal(store.dense().extras["acc"][new_b, h, :n], acc_before[old_b, h, :n])
+
+
+def test_extras_follow_entries_and_start_at_zero():
+    store = make_store()
+    keys, values = kv(3, seed=11)
+    store.append(keys, values, torch.arange(3), None)
+    store.ensure_extra("acc")
+    store.add_dense("acc", torch.ones(B, H, 3))
+    store.add_dense("acc", torch.arange(3, dtype=torch.float32).expand(B, H, 3))
+    assert torch.equal(store.dense().extras["acc"], torch.tensor([1.0, 2.0, 3.0]).expand(B, H, 3))
+    store.ensure_extra("acc", fill=9.0)  # already present: untouched
+    assert torch.equal(store.dense().extras["acc"][0, 0], torch.tensor([1.0, 2.0, 3.0]))
+    k2, v2 = kv(1, seed=12)
+    store.append(k2, v2, torch.tensor([3]), None)
+    assert store.dense().extras["acc"][..., -1].eq(0).all()
+    store.keep(torch.tensor([[1, 3]] * (B * H)), torch.full((B * H,), 2))
+    assert torch.equal(store.dense().extras["acc"], torch.tensor([2.0, 0.0]).expand(B, H, 2))
+    assert store.used_nbytes() == B * H * 2 * (2 * D * 4 + 8 + 4)
+
+
+def test_add_dense_on_ragged_store():
+    store = make_store()
+    keys, values = kv(3, seed=13)
+    valid = torch.tensor([[True, True, True], [False, False, True]])
+    store.append(keys, values, torch.arange(3), valid)
+    store.ensure_extra("acc")
+    view = store.dense()
+    update = torch.arange(B * H * 3, dtype=torch.float32).view(B, H, 3)
+    store.add_dense("acc", update)
+    acc = store.dense().extras["acc"]
+    assert torch.equal(acc[0], update[0])
+    assert torch.equal(acc[1, :, 0], update[1, :, 0])  # padded slots of the view are not written back
+    assert view.valid is not None
+    for h in range(H):
+        s = 1 * H + h
+        start = int(store.start[s])
+        assert store.extras["acc"][start].item() == update[1, h, 0].item()
+
+
+def test_keep_positions_after():
+    store = make_store()
+    keys, values = kv(6, seed=14)
+    valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    store.append(keys, values, torch.arange(6), valid)
+    store.keep_positions_after(3)
+    assert store.lengths().tolist() == [[3] * H, [3] * H]
+    for h in range(H):
+        assert segment(store, 0, h)[2].tolist() == [3, 4, 5]
+        assert torch.equal(segment(store, 1, h)[0], keys[1, h, 3:])
+    before = store.keys.clone()
+    store.keep_positions_after(0)  # nothing to drop: no change
+    assert torch.equal(store.keys, before)

@@ -1,0 +1,254 @@
+"""Bad input raises the promised error before any work, and leaves the model and cache untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import prompt
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import kvsieve
+from kvsieve import PolicyConfigError, UnknownPolicyError, UnsupportedArchitectureError
+
+BAD_PARAMS = [
+    pytest.param("snapkv", {"budget": 0, "window": 0}, "budget", id="budget-0"),
+    pytest.param("snapkv", {"budget": -1, "window": 0}, "budget", id="budget-negative"),
+    pytest.param("snapkv", {"budget": 2.5, "window": 0}, "budget", id="budget-float"),
+    pytest.param("snapkv", {"budget": True, "window": 0}, "budget", id="budget-bool"),
+    pytest.param("snapkv", {"budget": "8", "window": 0}, "budget", id="budget-str"),
+    pytest.param("h2o", {"budget": 0}, "budget", id="h2o-budget-0"),
+    pytest.param("h2o", {"ratio": -0.1}, "ratio", id="ratio-negative"),
+    pytest.param("h2o", {"ratio": 1.0}, "ratio", id="ratio-1"),
+    pytest.param("h2o", {"ratio": 1.5}, "ratio", id="ratio-1.5"),
+    pytest.param("snapkv", {"ratio": float("nan")}, "ratio", id="ratio-nan"),
+    pytest.param("snapkv", {"ratio": True}, "ratio", id="ratio-bool"),
+    pytest.param("snapkv", {"budget": 8, "window": 9}, "window", id="window-gt-budget"),
+    pytest.param("snapkv", {"budget": 8}, "window", id="default-window-gt-budget"),
+    pytest.param("adakv", {"budget": 8, "window": 16}, "window", id="adakv-window-gt-budget"),
+    pytest.param("snapkv", {"budget": 8, "window": 4, "schedule": "decode"}, "schedule", id="snapkv-decode"),
+    pytest.param("adakv", {"budget": 8, "window": 4, "schedule": "decode"}, "schedule", id="adakv-decode"),
+    pytest.param("h2o", {"ratio": 0.5, "schedule": "decode"}, "decode", id="decode-with-ratio"),
+    pytest.param("h2o", {"budget": 8, "ratio": 0.5}, "either budget or ratio", id="budget-and-ratio"),
+    pytest.param("h2o", {}, "budget", id="missing-budget"),
+    pytest.param("h2o", {"budget": 8, "bogus": 1}, "bogus", id="unknown-param"),
+    pytest.param("full", {"window": 4}, "window", id="full-unknown-param"),
+    pytest.param("h2o", {"budget": 8, "schedule": "sometimes"}, "schedule", id="unknown-schedule"),
+    pytest.param("h2o", {"budget": 8, "buffer": -1}, "buffer", id="buffer-negative"),
+    pytest.param("h2o", {"budget": 8, "recent_ratio": 1.5}, "recent_ratio", id="recent-ratio"),
+    pytest.param("streaming_llm", {"budget": 3}, "sinks", id="sinks-gt-budget"),
+    pytest.param("snapkv", {"budget": 8, "window": 4, "kernel_size": 4}, "kernel_size", id="kernel-even"),
+    pytest.param("snapkv", {"budget": 8, "window": 4, "pooling": "median"}, "pooling", id="pooling"),
+    pytest.param("pyramidkv", {"ratio": 0.5, "window": 0}, "budget", id="pyramidkv-ratio"),
+    pytest.param("exact_topk", {"ratio": 0.5}, "budget", id="exact-topk-ratio"),
+    pytest.param("adakv", {"budget": 8, "window": 4, "alpha": 1.5}, "alpha", id="adakv-alpha"),
+    pytest.param("adakv", {"budget": 8, "window": 4, "base": "full"}, "base", id="adakv-base-full"),
+    pytest.param("adakv", {"budget": 8, "window": 4, "base": "adakv"}, "base", id="adakv-base-self"),
+]
+
+
+@pytest.mark.parametrize(("policy", "params", "mentions"), BAD_PARAMS)
+def test_bad_parameters_raise_before_touching_the_model(fresh_model, policy, params, mentions):
+    model = fresh_model("llama")
+    with pytest.raises(PolicyConfigError, match=mentions):
+        kvsieve.KVCache(model, policy, **params)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(PolicyConfigError):
+        kvsieve.make_policy(policy, **params)
+
+
+def test_policy_config_error_is_a_value_error():
+    assert issubclass(PolicyConfigError, ValueError)
+    assert issubclass(UnknownPolicyError, ValueError)
+    assert issubclass(UnsupportedArchitectureError, ValueError)
+
+
+def test_unknown_parameter_lists_allowed_ones():
+    with pytest.raises(PolicyConfigError) as info:
+        kvsieve.make_policy("h2o", budget=8, bogus=1)
+    for name in ("budget", "ratio", "schedule", "buffer", "recent_ratio"):
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["nope", "SnapKV", "snap_kv", ""])
+def test_unknown_policy_lists_known_ones(fresh_model, name):
+    model = fresh_model("llama")
+    with pytest.raises(UnknownPolicyError) as info:
+        if name:
+            kvsieve.KVCache(model, name, budget=8)
+        else:
+            kvsieve.make_policy(name)
+    for known in kvsieve.list_policies():
+        assert known in str(info.value)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unknown_adakv_base_raises_unknown_policy(fresh_model):
+    model = fresh_model("llama")
+    with pytest.raises(UnknownPolicyError):
+        kvsieve.KVCache(model, "adakv", budget=8, window=4, base="nope")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_list_policies_has_the_builtins():
+    expected = {
+        "full",
+        "random",
+        "streaming_llm",
+        "h2o",
+        "tova",
+        "snapkv",
+        "pyramidkv",
+        "adakv",
+        "exact_topk",
+    }
+    assert expected <= set(kvsieve.list_policies())
+
+
+def test_unsupported_architecture_lists_supported():
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    config._attn_implementation = "sdpa"
+    gpt2 = GPT2LMHeadModel(config).eval()
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        kvsieve.KVCache(gpt2, "snapkv", budget=8, window=4)
+    for supported in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"):
+        assert supported in str(info.value)
+    assert "gpt2" in str(info.value)
+    assert gpt2.config._attn_implementation == "sdpa"
+
+
+def test_policy_object_with_extra_kwargs_is_rejected(fresh_model):
+    model = fresh_model("llama")
+    policy = kvsieve.make_policy("snapkv", budget=8, window=4)
+    with pytest.raises(ValueError, match="inside the Policy"):
+        kvsieve.KVCache(model, policy, budget=4)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_policy_object_is_accepted(model):
+    policy = kvsieve.make_policy("snapkv", budget=8, window=4)
+    cache = kvsieve.KVCache(model, policy)
+    assert cache.policy is policy
+    model(prompt(length=16), past_key_values=cache)
+    assert int(cache.head_lengths().max()) <= 16
+
+
+def test_policy_objects_validate_on_construction():
+    from kvsieve.policies.snapkv import SnapKV
+
+    with pytest.raises(PolicyConfigError):
+        SnapKV(budget=8, window=9)
+    assert str(SnapKV(budget=8, window=4)).startswith("snapkv(budget=8")
+
+
+def test_wrong_batch_size_raises_and_leaves_cache_unchanged(arch, model):
+    ids = prompt(batch=2, length=20, seed=60)
+    cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
+    out = model(ids, past_key_values=cache)
+    before, seen = cache.head_lengths(), cache.get_seq_length()
+    kept = cache.kept_positions(0, 1, 1)
+    for bad in (ids[:1, -1:], torch.cat([ids, ids])[:, -1:]):
+        with pytest.raises(ValueError, match="batch size"):
+            model(bad, past_key_values=cache)
+        assert torch.equal(cache.head_lengths(), before)
+        assert cache.get_seq_length() == seen
+        assert torch.equal(cache.kept_positions(0, 1, 1), kept)
+    # and it still works with the right batch afterwards
+    model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    assert cache.get_seq_length() == seen + 1
+
+
+def test_inspection_before_any_forward_raises(model):
+    cache = kvsieve.KVCache(model, "full")
+    assert cache.get_seq_length() == 0
+    assert cache.nbytes == cache.used_nbytes == cache.kv_nbytes() == 0
+    with pytest.raises(ValueError, match="empty"):
+        cache.head_lengths()
+    with pytest.raises(ValueError, match="empty"):
+        cache.kept_positions(0)
+
+
+def test_reset_makes_the_cache_reusable(model):
+    ids = prompt(batch=2, length=20, seed=61)
+    cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
+    first = model(ids, past_key_values=cache).logits
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    one = prompt(batch=1, length=12, seed=62)  # another batch size is fine after a reset
+    model(one, past_key_values=cache)
+    assert cache.head_lengths().shape[1] == 1
+    cache.reset()
+    assert torch.equal(model(ids, past_key_values=cache).logits, first)
+
+
+def test_crop_is_refused(model):
+    cache = kvsieve.KVCache(model, "full")
+    model(prompt(length=8), past_key_values=cache)
+    with pytest.raises(NotImplementedError):
+        cache.crop(4)
+
+
+def test_cache_with_a_model_not_prepared_raises(fresh_model):
+    """Switching the model back to sdpa after building the cache is caught at the next call (the
+    first forward only attends to its own tokens, which sdpa does right), not silently wrong."""
+    model = fresh_model("llama")
+    cache = kvsieve.KVCache(model, "full")
+    model.set_attn_implementation("sdpa")
+    out = model(prompt(length=8), past_key_values=cache)
+    with pytest.raises(RuntimeError, match="kvsieve"):
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+
+
+# --------------------------------------------------------------------------- validation gaps (src bugs)
+
+
+@pytest.mark.parametrize("seed", [2.5, "1", None])
+def test_random_seed_is_validated_up_front(fresh_model, seed):
+    """``random``'s seed must be checked at construction, like every other parameter; today a bad
+    seed passes validation and fails inside the first compaction, after layer 0 was already updated."""
+    model = fresh_model("llama")
+    with pytest.raises(PolicyConfigError, match="seed"):
+        kvsieve.KVCache(model, "random", budget=8, seed=seed)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [
+        ("streaming_llm", {"budget": 8, "sinks": True}),
+        ("snapkv", {"budget": 8, "window": 4, "kernel_size": True}),
+        ("pyramidkv", {"budget": 8, "window": 4, "beta": True}),
+    ],
+    ids=["sinks", "kernel_size", "beta"],
+)
+def test_integer_parameters_reject_bools(policy, params):
+    """``budget=True`` is rejected; the other integer parameters must follow the same rule."""
+    with pytest.raises(PolicyConfigError):
+        kvsieve.make_policy(policy, **params)
+
+
+@pytest.mark.parametrize(("batch_idx", "head"), [(0, 2), (0, -1), (2, 0), (-3, 0)])
+def test_inspection_rejects_out_of_range_indices(batch_idx, head):
+    """With 2 KV heads, ``kept_positions(layer, 0, 2)`` must not return batch item 1's head 0 (and a
+    negative index must mean what it means in Python, or be rejected)."""
+    from conftest import get_model
+
+    model = get_model("llama", "kv")
+    cache = kvsieve.KVCache(model, "snapkv", budget=6, window=2)
+    model(prompt(batch=2, length=16, seed=63), past_key_values=cache)
+    batch, heads = 2, cache.info.num_kv_heads
+    in_range = -batch <= batch_idx < batch and -heads <= head < heads
+    if in_range:
+        expected = cache.kept_positions(0, batch_idx % batch, head % heads)
+        assert not torch.equal(
+            cache.kept_positions(0, 1, 0), cache.kept_positions(0, 0, 1)
+        )  # distinguishable
+        try:
+            got = cache.kept_positions(0, batch_idx, head)
+        except (IndexError, ValueError):
+            return
+        assert torch.equal(got, expected)
+        return
+    with pytest.raises((IndexError, ValueError)):
+        cache.kept_positions(0, batch_idx, head)
+    with pytest.raises((IndexError, ValueError)):
+        cache.kept_entries(0, batch_idx, head)
