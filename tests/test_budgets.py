@@ -83,9 +83,7 @@ def test_decode_schedule_evicts_even_when_prompt_fits(model, policy):
     cache = kvsieve.KVCache(model, policy, budget=BUDGET, schedule="decode", buffer=2)
     maxima: list[int] = []
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore"
-        )  # whether a short prompt under schedule="decode" warns is not tested here
+        warnings.simplefilter("ignore")  # whether a short prompt under schedule="decode" warns is not tested here
         decode_loop(model, cache, ids, steps=10, after_step=lambda _: maxima.append(max_managed(cache)))
     assert maxima[:6] == [5, 6, 7, 8, 9, 10]
     assert max(maxima) == BUDGET + 2
@@ -260,9 +258,7 @@ def test_model_with_a_global_sliding_window_is_not_silently_uncompressed(arch):
     from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
     base = build_model(arch)
-    config_cls, model_cls = (
-        (MistralConfig, MistralForCausalLM) if arch == "mistral" else (Phi3Config, Phi3ForCausalLM)
-    )
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if arch == "mistral" else (Phi3Config, Phi3ForCausalLM)
     config = config_cls.from_dict({**base.config.to_dict(), "sliding_window": 4096})
     config._attn_implementation = "sdpa"
     model = model_cls(config).eval()

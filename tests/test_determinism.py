@@ -56,8 +56,6 @@ def test_random_differs_across_layers_heads_and_steps(model):
     cache = kvsieve.KVCache(model, "random", budget=8, schedule="decode")
     model(ids, past_key_values=cache)
     kept = [
-        tuple(p.tolist())
-        for layer, _, _, p in all_kept_positions(cache)
-        if cache.info.sliding_windows[layer] is None
+        tuple(p.tolist()) for layer, _, _, p in all_kept_positions(cache) if cache.info.sliding_windows[layer] is None
     ]
     assert len(set(kept)) > 1

@@ -2,8 +2,10 @@
 
 Exactness: forward logits are bit-identical (``torch.equal``) for every architecture, and so are greedy
 tokens and per-step logits, except Gemma3's per-step decoding logits, compared with ``atol=1e-5``
-(observed ≤ 3e-7): its sliding-window layers attend over a differently sized (masked) key set than
-transformers' ``DynamicSlidingWindowLayer``, so SDPA reduces in a different order.
+(observed ≤ 3e-7): its sliding-window layers hold one entry more than transformers'
+``DynamicSlidingWindowLayer`` (the oldest, always masked; see
+``test_budgets.test_sliding_layers_hold_only_visible_entries``), so SDPA reduces over a differently
+sized key set. With that fixed, these steps are bit-identical too and the tolerance can go.
 """
 
 from __future__ import annotations
@@ -25,14 +27,12 @@ NO_EVICTION = {
     "snapkv-budget-eq-prompt": ("snapkv", {"budget": PROMPT_LEN, "window": 4}, True),
     "snapkv-ratio0": ("snapkv", {"ratio": 0.0}, True),
     "h2o-ratio0": ("h2o", {"ratio": 0.0}, True),
-    "streaming-decode-budget-ge-total": ("streaming_llm", {"budget": 64, "schedule": "decode"}, True),
-    "tova-decode-budget-ge-total": ("tova", {"budget": 64, "schedule": "decode", "buffer": 2}, True),
+    "streaming-decode-budget-ge-total": ("streaming_llm", {"budget": 64, "schedule": "decode"}, False),
+    "tova-decode-budget-ge-total": ("tova", {"budget": 64, "schedule": "decode", "buffer": 2}, False),
 }
 
 
-def assert_logits_match(
-    arch: str, ours: list[torch.Tensor], ref: list[torch.Tensor], first_exact: bool = True
-) -> None:
+def assert_logits_match(arch: str, ours: list[torch.Tensor], ref: list[torch.Tensor], first_exact: bool = True) -> None:
     """Bit-identical, except gemma3 steps that read its sliding layers' history (atol 1e-5)."""
     assert len(ours) == len(ref)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
@@ -214,9 +214,7 @@ def test_beam_search_full_matches_sdpa(arch):
 
 @pytest.mark.parametrize("policy", ["snapkv", "adakv", "h2o"])
 def test_beam_search_with_compression_keeps_budget(model, policy):
-    params = (
-        {"budget": 8, "window": 4} if policy != "h2o" else {"budget": 8, "schedule": "decode", "buffer": 1}
-    )
+    params = {"budget": 8, "window": 4} if policy != "h2o" else {"budget": 8, "schedule": "decode", "buffer": 1}
     cache = kvsieve.KVCache(model, policy, **params)
     ids = prompt(batch=2, length=20, seed=7)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False)

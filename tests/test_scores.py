@@ -64,9 +64,7 @@ def test_h2o_score_protects_recent_share_of_budget():
     policy.observe(step)
     scores = policy.score(step)
     assert torch.isinf(scores[..., -4:]).all()
-    torch.testing.assert_close(
-        scores[..., :-4], group_mean(attention.sum(dim=2))[..., :-4], atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(scores[..., :-4], group_mean(attention.sum(dim=2))[..., :-4], atol=1e-5, rtol=1e-5)
 
 
 def test_tova_scores_last_query_row():

@@ -239,9 +239,7 @@ def test_inspection_rejects_out_of_range_indices(batch_idx, head):
     in_range = -batch <= batch_idx < batch and -heads <= head < heads
     if in_range:
         expected = cache.kept_positions(0, batch_idx % batch, head % heads)
-        assert not torch.equal(
-            cache.kept_positions(0, 1, 0), cache.kept_positions(0, 0, 1)
-        )  # distinguishable
+        assert not torch.equal(cache.kept_positions(0, 1, 0), cache.kept_positions(0, 0, 1))  # distinguishable
         try:
             got = cache.kept_positions(0, batch_idx, head)
         except (IndexError, ValueError):

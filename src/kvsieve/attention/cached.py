@@ -46,10 +46,10 @@ def attend_cached(
     cache = layer.cache
     q_len, seen = query.shape[2], layer.seen
     pad = padding_from_mask(attention_mask)
-    if pad is not None and pad.shape[-1] < seen + q_len:
+    if attention_mask is not None and attention_mask.shape[-1] < seen + q_len:
         raise ValueError(
-            f"attention_mask covers {pad.shape[-1]} tokens but the cache has seen {seen} and this call adds "
-            f"{q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
+            f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
+            f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
         )
     token_valid = None if pad is None else pad[:, seen : seen + q_len]
     if token_valid is not None and bool(token_valid.all()):
@@ -67,7 +67,7 @@ def attend_cached(
     )
     layer.forwards += 1
     policy = cache.policy
-    managed = sliding_window is None
+    managed = not layer.left_alone
     output = policy.decode_attention(step) if managed and step.is_decoding else None
     if output is None:
         if was_empty:
@@ -80,8 +80,9 @@ def attend_cached(
             )
     if managed:
         policy.observe(step)
-        if policy.should_compress(step):
-            cache.compact(layer, step)
-    else:
-        store.keep_positions_after(layer.seen - sliding_window)
+        compressed = policy.should_compress(step) and cache.compact(layer, step)
+        cache.note_forward(layer, step, compressed)
+    if sliding_window is not None:
+        # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
+        store.keep_positions_after(layer.seen - sliding_window + 1)
     return output

@@ -41,6 +41,7 @@ class KVLayer(CacheLayerMixin):
         self.cache, self.layer_idx = cache, layer_idx
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        self.left_alone = cache.info.left_alone[layer_idx]
         self.store: RaggedLayerStore | None = None
         self.seen = 0
         self.forwards = 0
@@ -147,6 +148,7 @@ class KVCache(Cache):
         info = model_info(model)
         self.policy: Policy = resolved
         self.info: ModelInfo = info
+        self._forward_compressed = False
         self.model_config = model.config
         layers = [KVLayer(self, i, info.sliding_windows[i]) for i in range(info.num_layers)]
         super().__init__(layers=layers)
@@ -155,47 +157,57 @@ class KVCache(Cache):
         prepare_model(model)
 
     # ------------------------------------------------------------------ compaction
-    def compact(self, layer: KVLayer, step: LayerStep) -> None:
-        """Score, allocate and keep the top entries of every head of ``layer``."""
+    def compact(self, layer: KVLayer, step: LayerStep) -> bool:
+        """Score, allocate and keep the top entries of every head of ``layer``; False if all are kept."""
         scores = self.policy.score(step)
         counts = self.policy.allocate(scores, step)
-        lengths = step.lengths()
-        if bool((counts >= lengths).all()):
-            if not step.is_decoding and not self._noop_warned and layer.layer_idx == self.first_managed_layer:
-                self._noop_warned = True
-                warnings.warn(
-                    f"kvsieve: {self.policy.name} keeps every entry (budget ≥ prompt length "
-                    f"{int(lengths.max())}); nothing was compressed",
-                    stacklevel=2,
-                )
-            return
+        if bool((counts >= step.lengths()).all()):
+            return False
         assert layer.store is not None
         layer.store.keep(top_entries(scores, counts), counts.cpu())
         self.compactions += 1
+        return True
 
-    @property
-    def first_managed_layer(self) -> int:
-        windows = self.info.sliding_windows
-        return next((i for i, w in enumerate(windows) if w is None), 0)
+    def note_forward(self, layer: KVLayer, step: LayerStep, compressed: bool) -> None:
+        """Warn once when a whole prompt forward compressed nothing (budget ≥ prompt length)."""
+        managed = self.info.managed_layers
+        if step.is_decoding or not managed or not self.policy.evicts or self.policy.schedule != "prefill":
+            return
+        if layer.layer_idx == managed[0]:
+            self._forward_compressed = False
+        self._forward_compressed |= compressed
+        if layer.layer_idx == managed[-1] and not self._forward_compressed and not self._noop_warned:
+            self._noop_warned = True
+            warnings.warn(
+                f"kvsieve: {self.policy} keeps every entry (budget ≥ prompt length {layer.seen}); "
+                "nothing was compressed",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ inspection
     def head_lengths(self) -> torch.Tensor:
         """Entries held per (layer, batch, KV head), shape ``(layers, batch, kv_heads)``."""
         return torch.stack([self._store(i).lengths() for i in range(len(self.layers))])
 
-    def kept_positions(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> torch.Tensor:
-        """Absolute positions of the entries one head holds, ascending."""
+    def _segment(self, layer_idx: int, batch_idx: int, head: int) -> tuple[RaggedLayerStore, slice]:
         store = self._store(layer_idx)
+        if not 0 <= batch_idx < store.batch:
+            raise IndexError(f"batch_idx must be in [0, {store.batch - 1}]; got {batch_idx}")
+        if not 0 <= head < store.heads:
+            raise IndexError(f"head must be in [0, {store.heads - 1}]; got {head}")
         seg = batch_idx * store.heads + head
         start, length = int(store.start[seg]), int(store.length[seg])
-        return store.positions[start : start + length].clone()
+        return store, slice(start, start + length)
+
+    def kept_positions(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> torch.Tensor:
+        """Absolute positions of the entries one head holds, ascending."""
+        store, rows = self._segment(layer_idx, batch_idx, head)
+        return store.positions[rows].clone()
 
     def kept_entries(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``(n, head_dim)`` one head holds (post-RoPE, as the model wrote them)."""
-        store = self._store(layer_idx)
-        seg = batch_idx * store.heads + head
-        start, length = int(store.start[seg]), int(store.length[seg])
-        return store.keys[start : start + length].clone(), store.values[start : start + length].clone()
+        store, rows = self._segment(layer_idx, batch_idx, head)
+        return store.keys[rows].clone(), store.values[rows].clone()
 
     @property
     def nbytes(self) -> int:
@@ -217,6 +229,8 @@ class KVCache(Cache):
         return total
 
     def _store(self, layer_idx: int) -> RaggedLayerStore:
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx must be in [0, {len(self.layers) - 1}]; got {layer_idx}")
         store = self.layers[layer_idx].store
         if store is None:
             raise ValueError("the cache is empty: run a forward pass first")

@@ -74,6 +74,20 @@ class ModelInfo:
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def left_alone(self) -> tuple[bool, ...]:
+        """Layers no policy touches: the sliding-window layers of a hybrid model (Gemma3's local layers).
+
+        When *every* layer has a window (Mistral or Phi3 configs with ``sliding_window`` set), the window
+        is only a mask: the policy still manages every layer, and entries outside the window are dropped.
+        """
+        hybrid = any(w is None for w in self.sliding_windows)
+        return tuple(hybrid and w is not None for w in self.sliding_windows)
+
+    @property
+    def managed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, alone in enumerate(self.left_alone) if not alone)
+
 
 def architecture_of(model: torch.nn.Module) -> ArchitectureSpec:
     """The table entry of ``model``; raises :class:`UnsupportedArchitectureError` listing supported ones."""

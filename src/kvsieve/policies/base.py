@@ -27,7 +27,7 @@ class PolicyConfigError(ValueError):
     """A policy parameter is out of range or a policy/schedule combination cannot work."""
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -71,7 +71,7 @@ class Policy:
                 raise PolicyConfigError(f"{self.name}: give budget (int ≥ 1, entries per head) or ratio in [0, 1)")
             if budget is not None and ratio is not None:
                 raise PolicyConfigError(f"{self.name}: give either budget or ratio, not both")
-        if budget is not None and (not _is_int(budget) or budget <= 0):
+        if budget is not None and (not is_int(budget) or budget <= 0):
             raise PolicyConfigError(f"{self.name}: budget must be an int ≥ 1 (entries per head); got {budget!r}")
         if ratio is not None and (
             not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0.0 <= ratio < 1.0
@@ -84,15 +84,15 @@ class Policy:
                 f"{self.name}: schedule {self.schedule!r} cannot work with this policy; "
                 f"supported schedules: {self.schedules}"
             )
-        if self.schedule == "decode" and budget is None:
+        if self.schedule == "decode" and self.needs_budget and budget is None:
             raise PolicyConfigError(
                 f"{self.name}: schedule 'decode' needs an absolute budget (a ratio of a growing cache is undefined)"
             )
-        if not _is_int(self.buffer) or self.buffer < 0:
+        if not is_int(self.buffer) or self.buffer < 0:
             raise PolicyConfigError(f"{self.name}: buffer must be an int ≥ 0; got {self.buffer!r}")
         window = getattr(self, "window", None)
         if window is not None:
-            if not _is_int(window) or window < 0:
+            if not is_int(window) or window < 0:
                 raise PolicyConfigError(f"{self.name}: window must be an int ≥ 0; got {window!r}")
             if budget is not None and window > budget:
                 raise PolicyConfigError(

@@ -3,8 +3,9 @@ Information Funneling", arXiv:2406.02069).
 
 SnapKV scores; per-layer budgets decrease linearly from the bottom layer to the top with the same
 total: ``min = (B - w) / β``, ``max = 2 (B - w) - min``, layer ``l`` keeps
-``max - l · (max - min) / (L - 1) + w`` entries per head (the reference implementation's integer
-arithmetic), β = 20.
+``⌊max - l · (max - min) / (L - 1)⌋ + w`` entries per head, β = 20. The reference code rounds the
+step down, which can push the total above ``L·B``; flooring each exact layer budget keeps the total
+at or below ``L·B`` (equal up to rounding).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvsieve.policies.base import PolicyConfigError
+from kvsieve.policies.base import PolicyConfigError, is_int
 from kvsieve.policies.registry import register
 from kvsieve.policies.snapkv import SnapKV
 
@@ -29,13 +30,14 @@ class PyramidKV(SnapKV):
         super().validate()
         if self.budget is None:
             raise PolicyConfigError("pyramidkv: needs an absolute budget (int ≥ 1), not a ratio")
-        if not isinstance(self.beta, int) or self.beta < 1:
+        if not is_int(self.beta) or self.beta < 1:
             raise PolicyConfigError(f"pyramidkv: beta must be an int ≥ 1; got {self.beta!r}")
 
     def layer_budget(self, layer_idx: int, num_layers: int) -> int:
         assert self.budget is not None
+        if num_layers == 1:
+            return self.budget
         spare = self.budget - self.window
-        low = spare // self.beta
+        low = spare / self.beta
         high = 2 * spare - low
-        steps = (high - low) // max(num_layers - 1, 1)
-        return high - layer_idx * steps + self.window
+        return int(high - layer_idx * (high - low) / (num_layers - 1)) + self.window

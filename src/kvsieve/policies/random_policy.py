@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.attention.step import LayerStep
-from kvsieve.policies.base import Policy, protect_recent
+from kvsieve.policies.base import Policy, PolicyConfigError, is_int, protect_recent
 from kvsieve.policies.registry import register
 
 
@@ -24,6 +24,11 @@ class RandomPolicy(Policy):
     schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     seed: int = 0
     window: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if not is_int(self.seed) or self.seed < 0:
+            raise PolicyConfigError(f"random: seed must be an int ≥ 0; got {self.seed!r}")
 
     def score(self, step: LayerStep) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step.layer_idx * 7919 + step.forward_index)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.attention.step import LayerStep
-from kvsieve.policies.base import Policy, PolicyConfigError, protect_recent
+from kvsieve.policies.base import Policy, PolicyConfigError, is_int, protect_recent
 from kvsieve.policies.registry import register
 from kvsieve.scores.window import window_scores
 
@@ -31,7 +31,7 @@ class SnapKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if not is_int(self.kernel_size) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
         if self.pooling not in ("avgpool", "maxpool"):
             raise PolicyConfigError(f"{self.name}: pooling must be 'avgpool' or 'maxpool'; got {self.pooling!r}")

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.attention.step import LayerStep
-from kvsieve.policies.base import Policy, PolicyConfigError
+from kvsieve.policies.base import Policy, PolicyConfigError, is_int
 from kvsieve.policies.registry import register
 
 
@@ -27,7 +27,7 @@ class StreamingLLM(Policy):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.sinks, int) or self.sinks < 0:
+        if not is_int(self.sinks) or self.sinks < 0:
             raise PolicyConfigError(f"streaming_llm: sinks must be an int ≥ 0; got {self.sinks!r}")
         if self.budget is not None and self.sinks > self.budget:
             raise PolicyConfigError(f"streaming_llm: sinks ({self.sinks}) must not exceed budget ({self.budget})")
