@@ -41,9 +41,17 @@ def attend_cached(
     scaling: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Append, attend, observe and maybe compact; returns ``(batch, q, q_heads, d)``."""
+    """Append, attend, observe and maybe compact; returns ``(batch, q, q_heads, d)``.
+
+    Under the ``blockwise`` schedule a long forward is processed in blocks of ``block_size`` queries,
+    compacting after each block, so the layer never holds more than ``budget + block_size`` entries per
+    head. Block by block *per layer* is the same computation as feeding the model one block at a time
+    (block ``i`` of layer ``l`` only depends on layer ``l``'s cache after block ``i - 1`` and on layer
+    ``l - 1``'s output for block ``i``), so ``generate`` needs no special argument; the only transient
+    is this layer's keys/values for the whole forward, which ``generate(..., prefill_chunk_size=m)``
+    bounds as well.
+    """
     new_keys, new_values = layer.take_pending()
-    cache = layer.cache
     q_len, seen = query.shape[2], layer.seen
     pad = padding_from_mask(attention_mask)
     if attention_mask is not None and attention_mask.shape[-1] < seen + q_len:
@@ -51,11 +59,37 @@ def attend_cached(
             f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
             f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
         )
+    policy = layer.cache.policy
+    block = policy.block_size if policy.schedule == "blockwise" and not layer.left_alone else q_len
+    outputs = []
+    for lo in range(0, q_len, block):
+        hi = min(lo + block, q_len)
+        chunk_pad = None if pad is None else pad[:, : seen + hi]
+        outputs.append(_attend_chunk(
+            layer, module, query[:, :, lo:hi], new_keys[:, :, lo:hi], new_values[:, :, lo:hi],
+            chunk_pad, scaling, sliding_window,
+        ))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def _attend_chunk(
+    layer: KVLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    pad: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One forward (or one block of it) of one layer: ``pad`` covers every slot up to this chunk's end."""
+    cache = layer.cache
+    q_len, seen = query.shape[2], layer.seen
     token_valid = None if pad is None else pad[:, seen : seen + q_len]
     if token_valid is not None and bool(token_valid.all()):
         token_valid = None
     store = layer.store
-    was_empty = seen == 0 and int(store.length.sum()) == 0
+    was_empty = int(store.length.sum()) == 0
     positions = torch.arange(seen, seen + q_len, device=query.device)
     store.append(new_keys, new_values, positions, token_valid)
     layer.seen = seen + q_len
@@ -70,7 +104,7 @@ def attend_cached(
     managed = not layer.left_alone
     output = policy.decode_attention(step) if managed and step.is_decoding else None
     if output is None:
-        if was_empty:
+        if was_empty and seen == 0:
             mask = dense_causal_mask(q_len, q_len, pad, sliding_window, query.device)
             output, _ = sdpa_attention_forward(module, query, new_keys, new_values, mask, scaling=scaling)
         else:

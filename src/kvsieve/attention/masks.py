@@ -49,8 +49,8 @@ def dense_causal_mask(
     Equals transformers' SDPA mask (causal, padding, sliding window); a query that would see nothing
     (a padding query) sees itself, so no row is empty. None when plain causal attention suffices.
     """
-    if pad is None and sliding_window is None:
-        return None
+    if pad is None and sliding_window is None and q_len in (1, kv_len):
+        return None  # plain causal: SDPA's is_causal (or no mask for one query) is exact
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     mask = k_pos <= q_pos

@@ -72,6 +72,24 @@ class LayerStep:
             self._memo[key] = rows
         return self._memo[key]
 
+    def window_outputs(self, window: int) -> torch.Tensor:
+        """Per-query-head attention outputs before ``W_O``, ``o_t = Σ_j A[t, j] v_j``, ``(batch, q_heads, w, d)``.
+
+        Computed in float32 from :meth:`window_rows` and the dense view's values (query head ``i`` reads
+        KV head ``i // groups``), so no second attention pass; rows of padding queries give zeros.
+        """
+        rows = self.window_rows(window)
+        key = ("outputs", rows.shape[2])
+        if key not in self._memo:
+            batch, q_heads, w, length = rows.shape
+            values = self.view.values.float()
+            if self.view.valid is not None:
+                values = values.masked_fill(~self.view.valid.unsqueeze(-1), 0.0)
+            kv_heads = values.shape[1]
+            grouped = rows.reshape(batch, kv_heads, (q_heads // kv_heads) * w, length)
+            self._memo[key] = torch.matmul(grouped, values).view(batch, q_heads, w, values.shape[-1])
+        return self._memo[key]
+
     def all_column_sums(self) -> torch.Tensor:
         """``Σ_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
         if "colsum" not in self._memo:

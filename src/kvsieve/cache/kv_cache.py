@@ -209,6 +209,20 @@ class KVCache(Cache):
         store, rows = self._segment(layer_idx, batch_idx, head)
         return store.keys[rows].clone(), store.values[rows].clone()
 
+    def peak_head_length(self, include_left_alone: bool = False) -> int:
+        """Most entries any (layer, batch, KV head) held at any moment (right after an append).
+
+        Sliding-window layers left alone by the policy are excluded unless ``include_left_alone``.
+        """
+        return max(
+            (
+                layer.store.peak_length
+                for layer in self.layers
+                if layer.store is not None and (include_left_alone or not layer.left_alone)
+            ),
+            default=0,
+        )
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated by every layer (keys, values, positions, side data, growth slack)."""

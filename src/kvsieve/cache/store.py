@@ -47,6 +47,8 @@ class RaggedLayerStore:
         self.start = torch.zeros(segments, dtype=torch.long)
         self.length = torch.zeros(segments, dtype=torch.long)
         self.capacity = torch.zeros(segments, dtype=torch.long)
+        #: Most entries any segment has held at once (right after an append, before compaction).
+        self.peak_length = 0
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -154,6 +156,7 @@ class RaggedLayerStore:
         for t in self.extras.values():
             t.index_fill_(0, dst, 0)
         self.length += counts
+        self.peak_length = max(self.peak_length, int(self.length.max()))
 
     def _relayout(self, capacity: torch.Tensor) -> None:
         """Move every segment into fresh buffers with the given per-segment capacity."""

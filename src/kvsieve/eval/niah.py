@@ -125,9 +125,7 @@ def _split_suffix(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[str, st
     return SUFFIX, " " + key
 
 
-def _answer_ids(
-    tokenizer: PreTrainedTokenizerBase, prompt: str, prompt_ids: list[int], answer: str
-) -> list[int]:
+def _answer_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, prompt_ids: list[int], answer: str) -> list[int]:
     """Tokens of ``answer`` as they continue ``prompt`` (what greedy decoding would emit)."""
     full = tokenizer(prompt + answer).input_ids
     if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
@@ -160,16 +158,20 @@ def make_passkey_sample(
     overhead = len(tokenizer(PREFIX + suffix).input_ids)
     overhead += len(tokenizer(" " + needle, add_special_tokens=False).input_ids)
     budget = context_tokens - overhead
+    if budget < 16:
+        raise ValueError(
+            f"context_tokens={context_tokens} is too short: a passkey prompt needs at least {overhead + 16}"
+        )
     tolerance = max(1, int(0.015 * context_tokens))  # leaves slack under the promised 2%
     best: tuple[int, str, list[int], list[tuple[int, int]], int] | None = None
-    for _ in range(6):
+    for attempt in range(6):
         if not 0 < budget <= len(ends):
-            raise ValueError(f"context_tokens={context_tokens} is out of range for a passkey prompt")
+            raise RuntimeError(f"could not fit a {context_tokens}-token passkey prompt (text budget {budget})")
         cut = ends[budget - 1]
         near = boundaries[max(0, bisect.bisect_right(boundaries, cut) - 1) :][:2]
         near_counts = [bisect.bisect_right(ends, b) for b in near]
-        if near and min(abs(c - budget) for c in near_counts) <= tolerance:
-            cut = _closest(near, near_counts, budget)  # end the essay text on a whole sentence if cheap
+        if attempt < 3 and near and min(abs(c - budget) for c in near_counts) <= tolerance:
+            cut = _closest(near, near_counts, budget)  # end on a whole sentence if cheap (and it converges)
         haystack = window[:cut].rstrip()
         inner = [0, *(b for b in boundaries if b < len(haystack)), len(haystack)]
         counts = [bisect.bisect_right(ends, b) for b in inner]
@@ -304,10 +306,7 @@ def run_niah(
     """
     factories: Mapping[str, Callable[[], Cache | None]] = make_cache_fns or {"full": lambda: None}
     samples = [
-        make_passkey_sample(tokenizer, length, depth, seed)
-        for length in lengths
-        for depth in depths
-        for seed in seeds
+        make_passkey_sample(tokenizer, length, depth, seed) for length in lengths for depth in depths for seed in seeds
     ]
     records: list[dict[str, Any]] = []
     hits: dict[str, int] = {}

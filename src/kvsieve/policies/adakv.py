@@ -25,6 +25,7 @@ class AdaKV(Policy):
     """Head-wise adaptive allocation wrapping the score of ``base``."""
 
     name: ClassVar[str] = "adakv"
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "blockwise")
     base: str = "snapkv"
     alpha: float = 0.2
     window: int = 32

@@ -20,7 +20,7 @@ import torch
 
 from kvsieve.attention.step import LayerStep
 
-SCHEDULES = ("prefill", "decode")
+SCHEDULES = ("prefill", "decode", "blockwise")
 
 
 class PolicyConfigError(ValueError):
@@ -41,7 +41,11 @@ class Policy:
         schedule: ``"prefill"`` compresses once after each prompt (every multi-token forward);
             ``"decode"`` also compresses during generation whenever a head holds more than
             ``budget + buffer`` entries (``buffer`` 0 = evict one entry every step).
+            ``"blockwise"`` (CAOTE's setting, Goel et al. 2025, Sec. 3) feeds each prompt in blocks of
+            ``block_size`` tokens and evicts back to ``budget`` after every block, so a head never holds
+            more than ``budget + block_size`` entries, then evicts at every decoding step like ``decode``.
         buffer: extra entries tolerated before a decoding-time compression (amortises eviction).
+        block_size: prompt block length ``m`` of the ``blockwise`` schedule.
     """
 
     name: ClassVar[str] = ""
@@ -58,6 +62,7 @@ class Policy:
     ratio: float | None = None
     schedule: str = "prefill"
     buffer: int = 0
+    block_size: int = 128
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -84,10 +89,13 @@ class Policy:
                 f"{self.name}: schedule {self.schedule!r} cannot work with this policy; "
                 f"supported schedules: {self.schedules}"
             )
-        if self.schedule == "decode" and self.needs_budget and budget is None:
+        if self.schedule in ("decode", "blockwise") and self.needs_budget and budget is None:
             raise PolicyConfigError(
-                f"{self.name}: schedule 'decode' needs an absolute budget (a ratio of a growing cache is undefined)"
+                f"{self.name}: schedule {self.schedule!r} needs an absolute budget "
+                "(a ratio of a growing cache is undefined)"
             )
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise PolicyConfigError(f"{self.name}: block_size must be an int ≥ 1; got {self.block_size!r}")
         if not is_int(self.buffer) or self.buffer < 0:
             raise PolicyConfigError(f"{self.name}: buffer must be an int ≥ 0; got {self.buffer!r}")
         window = getattr(self, "window", None)
@@ -125,12 +133,13 @@ class Policy:
         """Whether the schedule fires after this forward of this layer."""
         if not self.evicts:
             return False
+        if self.schedule == "prefill":
+            return not step.is_decoding
+        budget = self.layer_budget(step.layer_idx, step.info.num_layers)
         if not step.is_decoding:
-            return True
-        if self.schedule != "decode":
-            return False
-        limit = self.layer_budget(step.layer_idx, step.info.num_layers) + self.buffer
-        return bool((step.store.length > limit).any())
+            # decode: compress the prompt once; blockwise: back to budget after every block.
+            return self.schedule == "decode" or bool((step.store.length > budget).any())
+        return bool((step.store.length > budget + self.buffer).any())
 
     # ------------------------------------------------------------------ hooks
     def observe(self, step: LayerStep) -> None:

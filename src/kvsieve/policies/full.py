@@ -15,6 +15,6 @@ class FullCache(Policy):
     """Keep every entry. With it, outputs equal plain transformers (ratio 0 is exact)."""
 
     name: ClassVar[str] = "full"
-    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
     evicts: ClassVar[bool] = False
     needs_budget: ClassVar[bool] = False

@@ -29,7 +29,7 @@ class H2O(Policy):
     """Accumulated-attention heavy hitters plus a recent window of ``recent_ratio × budget``."""
 
     name: ClassVar[str] = "h2o"
-    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
     extras: ClassVar[tuple[str, ...]] = (ACCUMULATOR,)
     recent_ratio: float = 0.5
 

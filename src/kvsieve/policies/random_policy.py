@@ -21,7 +21,7 @@ class RandomPolicy(Policy):
     """
 
     name: ClassVar[str] = "random"
-    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
     seed: int = 0
     window: int = 0
 

@@ -25,6 +25,7 @@ class SnapKV(Policy):
     """Observation-window voting with pooling; keeps the window."""
 
     name: ClassVar[str] = "snapkv"
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "blockwise")
     window: int = 32
     kernel_size: int = 5
     pooling: str = "avgpool"

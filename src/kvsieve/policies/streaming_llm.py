@@ -22,7 +22,7 @@ class StreamingLLM(Policy):
     """Attention sinks + recent window. Score: +inf for the first ``sinks`` entries, else position."""
 
     name: ClassVar[str] = "streaming_llm"
-    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
     sinks: int = 4
 
     def validate(self) -> None:

@@ -26,7 +26,7 @@ class TOVA(Policy):
     """Keep the entries the current (last) query attends to most."""
 
     name: ClassVar[str] = "tova"
-    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    schedules: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
 
     def score(self, step: LayerStep) -> torch.Tensor:
         last_row = step.window_rows(1)[:, :, -1]
