@@ -1,10 +1,10 @@
 """Passkey retrieval in Paul Graham's essays ("needle in a haystack").
 
-A sample is a plain completion prompt (no chat template: this retrieves far better on small
+A sample is a plain completion prompt (no chat template: plain completion retrieves better on small
 instruct models such as SmolLM2-135M-Instruct)::
 
     There is an important piece of information hidden inside a lot of irrelevant text. Find it and
-    memorize it. I will quiz you about the important information there.
+    memorize it. I will quiz you about the pass key.
 
     <essay text ... The pass key is 68231. Remember it. 68231 is the pass key. ... essay text>
 
@@ -15,6 +15,10 @@ own, as SmolLM2's does; the answer is then the bare digits ``68231`` (one token 
 other tokenizers the prompt ends at "is" and the answer is `` 68231``. The needle sits at a sentence
 boundary at relative ``depth`` of the essay text (0.0 = start, 1.0 = end); the pass key and the
 essay the text starts at are drawn from ``seed``.
+
+Naming "the pass key" in the instruction matters: with the classic "...quiz you about the important
+information there." SmolLM2-135M picked up other numbers of a number-heavy essay (3 misses in 27
+samples at 2k-4k); naming it fixed those and raised the answer log-probs.
 
 :func:`score_sample` greedy-decodes and teacher-forces the answer with plain forward calls on
 whatever cache ``make_cache`` builds, so the same code scores a full cache and any compressed one.
@@ -40,7 +44,7 @@ from kvsieve.eval.haystack import load_essay_texts
 
 PREFIX = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about the important information there.\n\n"
+    "Find it and memorize it. I will quiz you about the pass key.\n\n"
 )
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 SUFFIX = "\n\nWhat is the pass key? The pass key is"

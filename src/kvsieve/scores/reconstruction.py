@@ -52,7 +52,11 @@ def output_distances(outputs: torch.Tensor, values: torch.Tensor, gram: torch.Te
     """``‖(o_t - v_j) W_O^h‖₂`` (or ``‖o_t - v_j‖₂`` when ``gram`` is None), ``(batch, q_heads, w, L)``.
 
     Expanded as ``o G oᵀ - 2 o G v_jᵀ + v_j G v_jᵀ``: cost ``O(w·L·d + L·d²)`` per head, like the
-    attention rows themselves. The square is clamped at 0 against rounding before the root.
+    attention rows themselves. The three terms come out of one product of augmented matrices
+    ``[-2 o G, o G oᵀ, 1] · [v_j, 1, v_j G v_jᵀ]ᵀ`` (one pass over the ``w × L`` result instead of four);
+    the square is clamped at 0 against rounding before the root. The expansion cancels when
+    ``o_t ≈ v_j`` (an entry holding nearly all the attention): in float32 its relative error is ~1e-7
+    for ordinary entries but ~5% at ``A = 0.999`` — such an entry still ranks at the top.
     """
     dtype = _dtype(outputs, values)
     kv_heads = values.shape[1]
@@ -64,11 +68,12 @@ def output_distances(outputs: torch.Tensor, values: torch.Tensor, gram: torch.Te
         g = gram.to(dtype).reshape(kv_heads, -1, *gram.shape[1:])  # (kv, g, d, d)
         o_g = torch.matmul(o, g)
         v_g = torch.matmul(v, g)  # (b, kv, g, L, d)
-    o_sq = (o_g * o).sum(-1)  # (b, kv, g, w)
-    v_sq = (v_g * v).sum(-1)  # (b, kv, g, L)
-    cross = torch.matmul(o_g, v.transpose(-1, -2))  # (b, kv, g, w, L)
-    squared = (o_sq.unsqueeze(-1) - 2.0 * cross + v_sq.unsqueeze(-2)).clamp(min=0.0)
-    return squared.sqrt().flatten(1, 2)
+    o_sq = (o_g * o).sum(-1, keepdim=True)  # (b, kv, g, w, 1)
+    v_sq = (v_g * v).sum(-1, keepdim=True)  # (b, kv, g or 1, L, 1)
+    o_aug = torch.cat([-2.0 * o_g, o_sq, torch.ones_like(o_sq)], dim=-1)
+    v_aug = torch.cat([v.expand(*v_sq.shape[:-1], v.shape[-1]), torch.ones_like(v_sq), v_sq], dim=-1)
+    squared = torch.matmul(o_aug, v_aug.transpose(-1, -2))  # (b, kv, g, w, L)
+    return squared.clamp_(min=0.0).sqrt_().flatten(1, 2)
 
 
 def restkv_indicator(
@@ -78,8 +83,9 @@ def restkv_indicator(
 
     ``gram`` from :func:`output_gram`; None gives the "w/o W_O" ablation ``‖o_t - v_j‖₂``.
     """
-    dtype = _dtype(rows, outputs, values)
-    return removal_weight(rows.to(dtype)) * output_distances(outputs, values, gram)
+    attention = rows.to(_dtype(rows, outputs, values))
+    distances = output_distances(outputs, values, gram)
+    return distances.mul_(attention).div_((1.0 - attention).clamp_(min=EPS))
 
 
 def vatp_indicator(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""ReST-KV's spatial-temporal smoothing of per-query indicators (Chen et al. 2025, ``papers/restkv.txt``,
+Sec. 3.3, Eq. 8–13).
+
+Input is an indicator ``I`` ``(batch, heads, w, L)``: one row per observation-window query ``t`` (in
+order) over the ``L`` held entries. Temporal smoothing reduces the ``w`` rows to one score per entry
+(EMA, Eq. 9); adaptive-window spatial smoothing then averages that score over a window whose width and
+shift follow how far the important entries moved between the front and the rear half of the window
+(Eq. 10–13). Everything is per head, so each head gets its own width and shift.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ema_over_window(indicator: torch.Tensor, alpha: float, query_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 9: ``E ← α·I_t + (1-α)·E`` over the window queries in order, starting with ``E = I_{t_1}``.
+
+    ``indicator`` ``(batch, heads, w, L)``; ``query_valid`` ``(batch, w)`` (None: all real) — the
+    recursion starts at each batch item's first real query and skips padding queries. Returns
+    ``(batch, heads, L)``.
+    """
+    smoothed = indicator[:, :, 0]
+    started = torch.ones(indicator.shape[0], dtype=torch.bool, device=indicator.device)
+    if query_valid is not None:
+        started = query_valid[:, 0].clone()
+        smoothed = smoothed * started.view(-1, 1, 1).to(smoothed.dtype)
+    for t in range(1, indicator.shape[2]):
+        current = indicator[:, :, t]
+        updated = torch.where(started.view(-1, 1, 1), alpha * current + (1.0 - alpha) * smoothed, current)
+        if query_valid is None:
+            smoothed = updated
+            continue
+        smoothed = torch.where(query_valid[:, t].view(-1, 1, 1), updated, smoothed)
+        started = started | query_valid[:, t]
+    return smoothed
+
+
+def mean_over_window(indicator: torch.Tensor, query_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain mean over the real window queries (Table 16 "Mean"; Table 3's "w/o EMA" ablation)."""
+    if query_valid is None:
+        return indicator.mean(dim=2)
+    weight = query_valid.to(indicator.dtype)[:, None, :, None]
+    return (indicator * weight).sum(dim=2) / weight.sum(dim=2).clamp(min=1.0)
+
+
+def top_index_mean(indicator: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Mean index of each query's top-``k`` entries, ``(batch, heads, w)``: the inner sum of Eq. 10.
+
+    ``indicator`` ``(batch, heads, w, L)``; ``k`` ``(batch, heads)`` (the budget ``B``); ``candidates``
+    ``(batch, heads, L)`` marks the entries that compete (the prefix before the window). Fewer candidates
+    than ``k`` → all of them.
+    """
+    length = indicator.shape[-1]
+    k_max = int(min(int(k.max()), length)) if k.numel() else 0
+    if k_max == 0:
+        return torch.zeros(indicator.shape[:3], dtype=indicator.dtype, device=indicator.device)
+    count = candidates.sum(dim=-1)
+    prefix = int(count.min())
+    uniform = int(count.max()) == prefix and k_max == int(k.min()) and k_max <= prefix
+    if uniform and bool(candidates[..., :prefix].all()):
+        # common case (no padding): the same leading ``prefix`` entries compete in every head, one k
+        top = torch.topk(indicator[..., :prefix], k_max, dim=-1, sorted=False).indices
+        return top.to(indicator.dtype).mean(dim=-1)
+    masked = indicator.masked_fill(~candidates.unsqueeze(2), float("-inf"))
+    values, index = torch.topk(masked, k_max, dim=-1)
+    rank = torch.arange(k_max, device=indicator.device)
+    chosen = (rank < k[:, :, None, None]) & (values > float("-inf"))
+    count = chosen.sum(dim=-1).clamp(min=1).to(indicator.dtype)
+    return (index.to(indicator.dtype) * chosen).sum(dim=-1) / count
+
+
+def adaptive_window(d_front: torch.Tensor, d_rear: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 11–12: width ``W_s = 2⌊|D_rear - D_front|/β⌋ + 1`` and shift ``γ`` (long tensors).
+
+    ``γ = ⌊(D_front - D_rear)/β⌋`` if ``D_front - D_rear > 0``, else ``⌊(D_front - D_rear)/β⌋ + 1``,
+    exactly as printed (so ``ΔD = 0`` gives ``γ = 1``; for ``0 < |ΔD| < β`` it is 0).
+    """
+    delta = d_front - d_rear
+    width = 2 * torch.floor(delta.abs() / beta).long() + 1
+    shift = torch.floor(delta / beta).long()
+    shift = torch.where(delta > 0, shift, shift + 1)
+    return width, shift
+
+
+def shifted_window_mean(scores: torch.Tensor, width: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Eq. 13: ``Σ_{k=-⌊W_s/2⌋+γ}^{⌊W_s/2⌋+γ} Ê[j + k] / W_s`` per head, ``(batch, heads, L)``.
+
+    ``width``/``shift`` are ``(batch, heads)``. Terms outside ``[0, L)`` count as 0 and the divisor is
+    always ``W_s`` (as printed; SnapKV's zero-padded avgpool does the same at the edges). Uses a float64
+    prefix sum so a huge score (an attention sink) does not swamp its small neighbours.
+    """
+    if bool((width == 1).all()) and bool((shift == 0).all()):
+        return scores
+    length = scores.shape[-1]
+    prefix = torch.nn.functional.pad(scores.double().cumsum(dim=-1), (1, 0))  # prefix[i] = Σ_{m<i}
+    j = torch.arange(length, device=scores.device).view(1, 1, -1)
+    half = (width // 2).unsqueeze(-1)
+    lo = (j - half + shift.unsqueeze(-1)).clamp(0, length)
+    hi = (j + half + shift.unsqueeze(-1) + 1).clamp(0, length)
+    total = prefix.gather(-1, hi) - prefix.gather(-1, lo)
+    return (total / width.unsqueeze(-1).double()).to(scores.dtype)
+
+
+def adaptive_spatial_smoothing(
+    smoothed: torch.Tensor,
+    indicator: torch.Tensor,
+    k: torch.Tensor,
+    candidates: torch.Tensor,
+    beta: float,
+    query_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Adaptive window-based spatial smoothing (AWS, Eq. 10–13) of ``smoothed`` ``(batch, heads, L)``.
+
+    ``D_front``/``D_rear`` (Eq. 10) average, over the real queries of the front/rear half of the window,
+    each query's mean top-``k`` index of the *unsmoothed* ``indicator`` ``I_t`` (``2/(B·S_w) Σ_t Σ_B``:
+    top-B per query, then the average). A window with fewer than two queries, or a half without a real
+    query, has no ΔD: the scores are returned unchanged.
+    """
+    w = indicator.shape[2]
+    half = w // 2
+    if half == 0:
+        return smoothed
+    per_query = top_index_mean(indicator, k, candidates)  # (b, h, w)
+    weight = torch.ones(indicator.shape[0], w, dtype=per_query.dtype, device=per_query.device)
+    if query_valid is not None:
+        weight = query_valid.to(per_query.dtype)
+    weight = weight.unsqueeze(1)
+    front_w, rear_w = weight[..., :half], weight[..., half:]
+    d_front = (per_query[..., :half] * front_w).sum(-1) / front_w.sum(-1).clamp(min=1.0)
+    d_rear = (per_query[..., half:] * rear_w).sum(-1) / rear_w.sum(-1).clamp(min=1.0)
+    width, shift = adaptive_window(d_front, d_rear, beta)
+    defined = (front_w.sum(-1) > 0) & (rear_w.sum(-1) > 0)
+    width = torch.where(defined, width, torch.ones_like(width))
+    shift = torch.where(defined, shift, torch.zeros_like(shift))
+    return shifted_window_mean(smoothed, width, shift)
