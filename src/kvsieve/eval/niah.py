@@ -27,6 +27,7 @@ whatever cache ``make_cache`` builds, so the same code scores a full cache and a
 from __future__ import annotations
 
 import bisect
+import copy
 import random
 import re
 import sys
@@ -235,10 +236,10 @@ def score_sample(
 ) -> dict[str, Any]:
     """Greedy retrieval and teacher-forced answer log-likelihood of one sample under ``make_cache``.
 
-    Two independent passes, each on a fresh cache from ``make_cache`` (None means a plain
-    ``DynamicCache``): (1) prefill the prompt, then greedy-decode one token per forward call;
-    (2) prefill the prompt, then feed all answer tokens in one forward call (teacher forcing). No
-    position ids or attention mask are passed: the model derives positions from the cache length.
+    One prefill on a fresh cache from ``make_cache`` (None means a plain ``DynamicCache``), then two
+    continuations: greedy decoding one token per forward call, and, on a deep copy of the prefilled
+    (already compressed) cache, all answer tokens in one forward call (teacher forcing). No position
+    ids or attention mask are passed: the model derives positions from the cache length.
 
     Returns a dict with ``exact_match`` (the first number generated is the pass key), ``contains``
     (the pass key appears anywhere in the generation), ``generated``, ``generated_ids``,
@@ -250,8 +251,11 @@ def score_sample(
     with torch.inference_mode():
         cache = _new_cache(model, make_cache)
         started = time.perf_counter()
-        logits = _forward(model, sample.prompt_ids, cache, 1)[-1]
+        first = _forward(model, sample.prompt_ids, cache, 1)
         prefill_s = time.perf_counter() - started
+        # The teacher-forced pass continues from a copy of the prefilled (already compressed) cache.
+        forced_cache = copy.deepcopy(cache)
+        logits = first[-1]
         generated: list[int] = []
         started = time.perf_counter()
         while len(generated) < max_new_tokens:
@@ -263,15 +267,13 @@ def score_sample(
         del cache
 
         started = time.perf_counter()
-        cache = _new_cache(model, make_cache)
-        first = _forward(model, sample.prompt_ids, cache, 1)
-        rest = _forward(model, sample.answer_ids, cache, 0)
+        rest = _forward(model, sample.answer_ids, forced_cache, 0)
         logits = torch.cat([first, rest[:-1]])  # row i predicts answer_ids[i]
         target = torch.tensor(sample.answer_ids, device=logits.device)
         token_lp = logits.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
         argmax_match = bool((logits.argmax(-1) == target).all())
         teacher_forced_s = time.perf_counter() - started
-        del cache
+        del forced_cache
 
     text = sample.decode(generated)
     number = _DIGITS.search(text)

@@ -51,12 +51,32 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _value(text: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """``"h2o_caote:schedule=blockwise:block_size=64"`` → ``("h2o_caote", {...})``."""
+    name, *pairs = spec.split(":")
+    params: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policies: expected name[:key=value...]; got {spec!r}")
+        params[key] = _value(value)
+    return name, params
+
+
 def run_niah_command(args: argparse.Namespace) -> int:
     """Validate everything, load the default model, run the grid, print and save results."""
     # Validate every policy/budget before loading anything.
     specs = [(p, b) for p in args.policies if p != "full" for b in args.budgets]
-    for policy, budget in specs:
-        make_policy(policy, budget=budget)
+    built = {f"{p}@{b}": make_policy(parse_policy_spec(p)[0], budget=b, **parse_policy_spec(p)[1]) for p, b in specs}
     for length in args.lengths:
         if length < 64:
             raise ValueError(f"--lengths: each context length must be ≥ 64 tokens; got {length}")
@@ -74,8 +94,8 @@ def run_niah_command(args: argparse.Namespace) -> int:
     print(f"loaded default model in {time.perf_counter() - started:.1f}s", file=sys.stderr)
 
     factories: dict[str, Callable[[], Any]] = {"full": lambda: None}
-    for policy, budget in specs:
-        factories[f"{policy}@{budget}"] = lambda p=policy, b=budget: KVCache(model, p, budget=b)
+    for name, policy in built.items():
+        factories[name] = lambda p=policy: KVCache(model, p)
     records = run_niah(
         model, tokenizer, lengths=args.lengths, depths=args.depths, seeds=args.seeds,
         make_cache_fns=factories, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
@@ -88,8 +108,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
         "task": "niah_passkey",
         "model": "SmolLM2-135M-Instruct",
         "dtype": args.dtype,
-        "policies": {name: str(make_policy(*name.split("@")[:1], budget=int(name.split("@")[1])))
-                     for name in factories if "@" in name},
+        "policies": {name: str(policy) for name, policy in built.items()},
         "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
         "torch": torch.__version__, "python": platform.python_version(),
         "summary": rows,
