@@ -1,0 +1,145 @@
+"""``evaluate_cell`` end to end on a tiny random Llama with SmolLM2's tokenizer (no weights loaded)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvsieve import KVCache
+from kvsieve.eval.evaluate import evaluate_cell
+from kvsieve.eval.metrics import teacher_forced_logprobs
+from kvsieve.eval.passes import forward_logits, greedy, needs_stepwise
+from kvsieve.policies import make_policy
+
+REQUIRED = (
+    "task", "policy", "budget", "length", "sample", "seed", "prompt_tokens", "score", "generated",
+    "answer_logprob", "answer_logprob_full", "logprob_gap", "kl_full_compressed", "kv_bytes_held",
+    "kv_bytes_full", "elapsed_s",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvsieve.models.default_tokenizer import load_default_tokenizer
+
+    try:
+        return load_default_tokenizer()
+    except ModuleNotFoundError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _cell(tiny, tokenizer, task, policy, budget=None, params=None, reference_dir=None, length=512):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "keeps every entry" on the full-length teacher-forcing forward
+        record = evaluate_cell(tiny, tokenizer, task, policy, budget, length, 0, 0, params, reference_dir)
+    assert all(key in record for key in REQUIRED), set(REQUIRED) - set(record)
+    json.dumps(record, allow_nan=False)  # flat and JSON-serialisable
+    assert 0.0 <= record["score"] <= 1.0
+    return record
+
+
+def test_full_cache_is_its_own_reference(tiny, tokenizer, tmp_path):
+    record = _cell(tiny, tokenizer, "niah_single_2", "full", reference_dir=tmp_path)
+    assert record["logprob_gap"] == 0.0 and record["kl_full_compressed"] == 0.0
+    assert record["answer_logprob"] == record["answer_logprob_full"]
+    assert record["kv_bytes_held"] == record["kv_bytes_full"] > 0
+    assert abs(record["prompt_tokens"] - 512) <= 0.03 * 512 and record["length"] == 512
+    assert not record["reference_cached"]
+    files = list(tmp_path.iterdir())
+    assert [f.suffix for f in files] == [".safetensors"]
+    again = _cell(tiny, tokenizer, "niah_single_2", "full", reference_dir=tmp_path)
+    assert again["reference_cached"] and again["kl_full_compressed"] == 0.0 and again["logprob_gap"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("policy", "params"), [("snapkv", None), ("streaming_llm", {"schedule": "decode"}), ("h2o", {"schedule": "decode"})]
+)
+def test_compressing_policy_differs_from_full(tiny, tokenizer, tmp_path, policy, params):
+    full = _cell(tiny, tokenizer, "niah_multikey_1", "full", reference_dir=tmp_path)
+    record = _cell(tiny, tokenizer, "niah_multikey_1", policy, 64, params, reference_dir=tmp_path)
+    assert record["reference_cached"]
+    assert record["kl_full_compressed"] > 0.0
+    assert record["answer_logprob_full"] == full["answer_logprob"]
+    assert record["logprob_gap"] == pytest.approx(full["answer_logprob"] - record["answer_logprob"])
+    assert record["kv_bytes_held"] < record["kv_bytes_full"] == full["kv_bytes_full"]
+    assert record["budget"] == 64 and record["policy"] == policy
+
+
+def test_reference_without_a_folder_matches_the_saved_one(tiny, tokenizer, tmp_path):
+    saved = _cell(tiny, tokenizer, "vt", "tova", 48, reference_dir=tmp_path)
+    fresh = _cell(tiny, tokenizer, "vt", "tova", 48)
+    assert not fresh["reference_cached"]
+    assert fresh["answer_logprob_full"] == saved["answer_logprob_full"]
+    assert fresh["kl_full_compressed"] == saved["kl_full_compressed"]
+
+
+def test_passkey_record_carries_depth(tiny, tokenizer):
+    record = _cell(tiny, tokenizer, "passkey", "full")
+    assert record["depth"] == 0.1 and record["generated_tokens"] <= 8
+
+
+def test_multiturn_record(tiny, tokenizer):
+    full = _cell(tiny, tokenizer, "multiturn", "full")
+    assert len(full["turn_scores"]) == len(full["turn_generated"]) == 4
+    assert full["score"] == sum(full["turn_scores"]) / 4
+    assert full["turn_kl"] == [0.0] * 4 and full["logprob_gap"] == 0.0
+    record = _cell(tiny, tokenizer, "multiturn", "snapkv", 32)
+    assert record["kl_full_compressed"] > 0 and len(record["turn_answer_logprobs"]) == 4
+    assert record["turn_answer_logprobs_full"] == full["turn_answer_logprobs"]
+
+
+def test_perplexity_record(tiny, tokenizer, tmp_path):
+    full = _cell(tiny, tokenizer, "perplexity_chunk16", "full", reference_dir=tmp_path, length=300)
+    assert full["ppl"] == full["ppl_full"] and full["kl_full_compressed"] == 0.0
+    assert len(full["nll_positions"]) == 299 and full["ppl_bucket_edges"] == [0, 256, 300]
+    assert full["score"] == pytest.approx(1 / full["ppl"])
+    record = _cell(
+        tiny, tokenizer, "perplexity_chunk16", "streaming_llm", 64, {"schedule": "decode"}, tmp_path, length=300
+    )
+    assert record["reference_cached"] and record["nll_full"] == full["nll"]
+    assert record["kl_full_compressed"] > 0 and record["prefill_tokens"] == 64
+    assert record["kv_bytes_held"] < record["kv_bytes_full"]
+
+
+def test_unknown_policy_fails_before_work(tiny, tokenizer):
+    with pytest.raises(ValueError, match="unknown policy"):
+        evaluate_cell(tiny, tokenizer, "vt", "no_such_policy", 64, 512, 0, 0)
+
+
+def test_shared_greedy_rows_equal_separate_teacher_forcing(tiny, tokenizer):
+    """Decoding while on the answer is teacher forcing: the shared rows equal a separate pass."""
+    prompt = tokenizer("The grass is green. The sky is blue. " * 20).input_ids
+    policy = make_policy("streaming_llm", budget=48, schedule="decode")
+    assert needs_stepwise(policy) and not needs_stepwise(make_policy("snapkv", budget=48))
+
+    def decode(ids):
+        return tokenizer.decode(ids)
+
+    with torch.inference_mode():
+        cache = KVCache(tiny, policy)
+        first = forward_logits(tiny, prompt, cache, 1)[-1]
+        own = greedy(tiny, copy.deepcopy(cache), first, 6, decode, lambda text: False).ids
+        for answer in (own[:4], [*own[:2], own[2] + 1, 7, 8], [own[0] + 1, 5, 6]):
+            gen = greedy(tiny, copy.deepcopy(cache), first, 6, decode, lambda text: False, answer_ids=answer)
+            assert gen.ids == own and gen.copies == int(answer != own[: len(answer)])
+            separate = teacher_forced_logprobs(tiny, KVCache(tiny, policy), prompt, answer, stepwise=True)
+            assert torch.allclose(gen.answer_rows, separate, atol=1e-6)
