@@ -245,7 +245,7 @@ def score_sample(
     (the pass key appears anywhere in the generation), ``generated``, ``generated_ids``,
     ``answer_logprob`` (sum over ``answer_ids``), ``answer_logprob_per_token``,
     ``answer_token_logprobs``, ``argmax_match`` (teacher-forced argmax equals every answer token),
-    ``prefill_s`` (first pass), ``decode_s_per_token`` and ``teacher_forced_s`` (whole second pass).
+    ``prefill_s``, ``decode_s_per_token`` and ``teacher_forced_s`` (the one-call answer pass on the copy).
     """
     eos = _eos_ids(model)
     with torch.inference_mode():

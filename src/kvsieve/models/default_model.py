@@ -88,6 +88,8 @@ def _export(source: Path, target: Path) -> None:
         )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():
+            path.chmod(0o666 & ~umask)
         info = {"source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32"}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if _is_complete(target):  # another process finished its export first: keep that one
@@ -114,7 +116,7 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_default_model(
-    dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None
+    dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load SmolLM2-135M-Instruct (eval mode, SDPA attention) and its tokenizer, fully offline.
 
