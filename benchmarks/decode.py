@@ -1,60 +1,60 @@
 """Decode benchmark: KV bytes, prefill overhead and decoding throughput of compressed vs full caches.
 
-On SmolLM2-135M-Instruct (bf16) with a 4k-token essay prompt, for snapkv and adakv at 256 entries per
-head, measured in one run against the full cache (transformers' DynamicCache through the same
-attention function, which defers to SDPA):
+A thin wrapper over :mod:`kvsieve.bench` (``kvsieve bench`` has the full grid: context lengths, batch
+sizes, latency and memory). On SmolLM2-135M-Instruct with a 4k-token essay prompt, for snapkv and adakv
+at 256 entries per head, measured in one run against the full cache (transformers' DynamicCache), each
+run in a fresh process, full and compressed alternating, medians over repeats:
 
 * ``kv_bytes_ratio``: key/value bytes held after prefill, compressed / full (expect 256/4096 = 1/16);
-* ``prefill_ratio``: prefill + compression time / plain prefill time (median of alternating repeats);
+* ``prefill_ratio``: prefill + compression time / plain prefill time;
 * ``decode_speedup_b1`` / ``decode_speedup_b8``: decoding tokens/s over the full cache's at batch 1 and 8
-  (batch 8 replicates the prefilled batch-1 caches: eight identical prompts).
+  (batch 8 replicates the prefilled batch-1 cache: eight identical prompts).
 
-Writes ``benchmarks/results/decode.json``. Usage: ``python benchmarks/decode.py [--tokens 4096] [--quick]``.
+Writes ``benchmarks/results/decode.json`` (these fields, plus the whole ``kvsieve bench`` result under
+``bench``). Usage: ``python benchmarks/decode.py [--tokens 4096] [--dtype float32] [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import platform
-import statistics
-import time
+import os
 from pathlib import Path
+from typing import Any
 
-import torch
-from transformers import DynamicCache
-
-from kvsieve import KVCache, load_default_model
-from kvsieve.eval.haystack import load_essays
+from kvsieve.bench import BenchConfig, run_bench
 
 RESULTS = Path(__file__).parent / "results" / "decode.json"
 
 
-def prompt_ids(tokenizer, tokens: int, batch: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    ids = tokenizer(load_essays(), add_special_tokens=False)["input_ids"][:tokens]
-    return torch.tensor([ids] * batch)
-
-
-def full_kv_bytes(cache: DynamicCache) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-
-
-def make_cache(model, name: str, budget: int):  # type: ignore[no-untyped-def]
-    return DynamicCache(config=model.config) if name == "full" else KVCache(model, name, budget=budget)
-
-
-def timed_prefill(model, ids: torch.Tensor, cache) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start, out.logits[:, -1:].argmax(-1)
-
-
-def decode_tokens_per_s(model, cache, token: torch.Tensor, steps: int) -> float:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    for _ in range(steps):
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    return steps * token.shape[0] / (time.perf_counter() - start)
+def legacy_fields(result: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
+    """The fields this script has always written, from a :func:`kvsieve.bench.run_bench` result."""
+    rows = result["summary"]
+    meta = result["meta"]
+    out: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct" if config.model == "smollm2" else config.model,
+        "dtype": config.dtype, "prompt_tokens": config.lengths[0], "budget": config.budget,
+        "decode_steps": config.steps, "torch": meta["torch"], "threads": config.threads,
+        "python": meta["python"], "policies": {},
+    }
+    first = min(config.batches)
+    full = {r["batch"]: r for r in rows if r["label"] == "full"}
+    out["full_prefill_s"] = full[first]["prefill_s"]
+    for batch, row in sorted(full.items()):
+        out[f"full_decode_tokens_per_s_b{batch}"] = row["decode_tokens_per_s"]
+    for row in rows:
+        if row["label"] == "full":
+            continue
+        entry = out["policies"].setdefault(row["label"], {})
+        if row["batch"] == first:
+            entry.update({
+                "kv_bytes": row["prefill_kv_bytes"], "full_kv_bytes": full[first]["prefill_kv_bytes"],
+                "kv_bytes_ratio": row["prefill_kv_bytes_ratio"], "prefill_s": row["prefill_s"],
+                "prefill_ratio": row["prefill_s_ratio"],
+            })
+        entry[f"decode_tokens_per_s_b{row['batch']}"] = row["decode_tokens_per_s"]
+        entry[f"decode_speedup_b{row['batch']}"] = row["decode_tokens_per_s_ratio"]
+    return out
 
 
 def main() -> None:
@@ -64,61 +64,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--policies", default="snapkv,adakv")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="float32 is ~3.5x faster on CPUs without native bf16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="512-token prompt, 4 steps, 1 repeat, budget 64")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model, tokenizer = load_default_model(dtype=torch.bfloat16)
-    policies = ["snapkv", "adakv"]
-    result: dict[str, object] = {
-        "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "prompt_tokens": args.tokens,
-        "budget": args.budget, "decode_steps": args.steps, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "python": platform.python_version(), "policies": {},
-    }
-    with torch.inference_mode():
-        ids = prompt_ids(tokenizer, args.tokens, 1)
-        # Prefill: alternate full / compressed runs so drift hits both alike; report medians.
-        times: dict[str, list[float]] = {name: [] for name in ["full", *policies]}
-        held: dict[str, int] = {}
-        last: dict[str, object] = {}
-        first_token: dict[str, torch.Tensor] = {}
-        for _ in range(args.repeats):
-            for name in times:
-                cache = make_cache(model, name, args.budget)
-                elapsed, first_token[name] = timed_prefill(model, ids, cache)
-                times[name].append(elapsed)
-                held[name] = full_kv_bytes(cache) if name == "full" else cache.kv_nbytes()
-                last[name] = cache
-            print(f"prefill s: { {k: round(v[-1], 2) for k, v in times.items()} }", flush=True)
-        full_prefill = statistics.median(times["full"])
-        result["full_prefill_s"] = full_prefill
-        for name in policies:
-            result["policies"][name] = {  # type: ignore[index]
-                "kv_bytes": held[name], "full_kv_bytes": held["full"],
-                "kv_bytes_ratio": held[name] / held["full"],
-                "prefill_s": statistics.median(times[name]),
-                "prefill_ratio": statistics.median(times[name]) / full_prefill,
-            }
-        # Decoding: the caches of the last prefill repeat, replicated to each batch size (identical prompts;
-        # replicating a prefilled cache is what a batch of identical prompts would hold, without paying
-        # batch × 4k tokens of bf16 prefill on a 2-core CPU).
-        for batch in [int(b) for b in args.batches.split(",")]:
-            speed: dict[str, float] = {}
-            for name in ["full", *policies]:
-                cache = copy.deepcopy(last[name])
-                if batch > 1:
-                    cache.batch_repeat_interleave(batch)
-                token = first_token[name].repeat(batch, 1)
-                decode_tokens_per_s(model, cache, token, 2)  # warm-up
-                speed[name] = decode_tokens_per_s(model, cache, token, args.steps)
-            result[f"full_decode_tokens_per_s_b{batch}"] = speed["full"]
-            for name in policies:
-                entry = result["policies"][name]  # type: ignore[index]
-                entry[f"decode_tokens_per_s_b{batch}"] = speed[name]
-                entry[f"decode_speedup_b{batch}"] = speed[name] / speed["full"]
-            print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f} tok/s" for k, v in speed.items()), flush=True)
+    config = BenchConfig(
+        model=args.model, dtype=args.dtype, threads=args.threads, policies=args.policies.split(","),
+        budget=args.budget, lengths=[args.tokens], batches=[int(b) for b in args.batches.split(",")],
+        steps=args.steps, repeats=args.repeats,
+    )
+    if args.quick:
+        config = BenchConfig(model=args.model, dtype=args.dtype, threads=args.threads, policies=config.policies,
+                             budget=64, lengths=[512], batches=config.batches, steps=4, warmup=1, repeats=1)
+    result = run_bench(config, output=None)
+    legacy = legacy_fields(result, config)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["policies"], indent=2))
+    args.output.write_text(json.dumps({**legacy, "bench": result}, indent=2) + "\n")
+    print(json.dumps(legacy["policies"], indent=2))
 
 
 if __name__ == "__main__":

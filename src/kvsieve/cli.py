@@ -1,4 +1,4 @@
-"""The ``kvsieve`` command line: ``kvsieve list``, ``kvsieve niah``."""
+"""The ``kvsieve`` command line: ``list``, ``niah``, ``eval``, ``plot``, ``bench``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,39 @@ def _cmd_niah(args: argparse.Namespace) -> int:
     return run_niah_command(args)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from kvsieve.eval.commands import run_eval_command
+
+    return run_eval_command(args)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from kvsieve.eval.commands import run_plot_command
+
+    return run_plot_command(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvsieve.bench.commands import run_bench_command
+
+    return run_bench_command(args)
+
+
+def _add_suite_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvsieve.bench.commands import add_bench_arguments
+    from kvsieve.eval.commands import add_eval_arguments, add_plot_arguments
+
+    ev = sub.add_parser("eval", help="sweep policies × budgets × tasks × lengths × samples (resumable)")
+    add_eval_arguments(ev)
+    ev.set_defaults(func=_cmd_eval)
+    plot = sub.add_parser("plot", help="figures from a sweep's records.jsonl")
+    add_plot_arguments(plot)
+    plot.set_defaults(func=_cmd_plot)
+    bench = sub.add_parser("bench", help="throughput, latency, prefill, memory: full vs compressed caches")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsieve", description="KV-cache compression for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--lengths", type=_csv(int, "--lengths"), default=[1024, 2048, 4096])
     niah.add_argument("--depths", type=_csv(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])
     niah.add_argument("--seeds", type=_csv(int, "--seeds"), default=[0])
-    niah.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    niah.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="float32 is ~3.5x faster than bf16 on CPUs without native bf16 (AVX2)")
     niah.add_argument("--max-new-tokens", type=int, default=8)
     niah.add_argument("--output", default="results/niah.json", help="JSON result file")
     niah.add_argument("--no-progress", action="store_true")
     niah.set_defaults(func=_cmd_niah)
+    _add_suite_commands(sub)
     return parser
 
 
