@@ -1,0 +1,138 @@
+"""``kvsieve eval``: run a sweep of cells, append each record to ``records.jsonl``, summarise.
+
+A cell is one task sample under one cache. The grid is every task × length × sample under the full
+cache (the reference, run first so compressed cells find it in ``reference/``) and under every policy ×
+budget. A restarted sweep reads ``records.jsonl`` and skips the cells already there; failed cells are
+logged to ``errors.jsonl`` and run again on the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvsieve.eval.backends import (
+    DEFAULT_CELL_FN,
+    Backend,
+    Cell,
+    CellFn,
+    Job,
+    SerialBackend,
+    default_threads,
+    default_workers,
+    make_backend,
+)
+from kvsieve.eval.results import ERRORS_FILE, RECORDS_FILE, CellKey, RecordWriter, done_keys, params_key, read_records
+from kvsieve.eval.summary import write_summary
+from kvsieve.eval.sweep_config import FULL, SweepConfig, validate_config
+
+CONFIG_FILE = "sweep.json"
+REFERENCE_DIR = "reference"
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep did: cells run now, skipped as already done, failed; the summary rows."""
+
+    output_dir: Path
+    ran: int = 0
+    skipped: int = 0
+    failed: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def cell_key(cell: Cell) -> CellKey:
+    """The same identity :func:`kvsieve.eval.results.record_key` gives the cell's record."""
+    return (cell.task, cell.policy, params_key(cell.params_dict), cell.budget, cell.length, cell.sample, cell.seed)
+
+
+def expand_cells(config: SweepConfig) -> list[Cell]:
+    """Every cell of the sweep: per task, length and sample, the full cache then each policy × budget."""
+    cells = []
+    for task in config.tasks:
+        for length in config.lengths:
+            for sample in range(config.samples):
+                cells.append(Cell(task, FULL, (), None, length, sample, config.seed))
+                for spec in config.policies:
+                    for budget in config.budgets:
+                        cells.append(Cell(task, spec.name, spec.params, budget, length, sample, config.seed))
+    return cells
+
+
+def _describe(cell: Cell) -> str:
+    budget = "" if cell.budget is None else f"@{cell.budget}"
+    return f"{cell.task} {cell.length} #{cell.sample} {cell.policy}{budget}"
+
+
+def run_sweep(
+    config: SweepConfig,
+    *,
+    cell_fn: str | CellFn = DEFAULT_CELL_FN,
+    load_model: bool = True,
+    get_task: Callable[[str], Any] | None = None,
+    progress: bool = True,
+) -> SweepOutcome:
+    """Validate, run the cells not yet in ``records.jsonl``, write the summary.
+
+    Args:
+        config: the sweep.
+        cell_fn: the per-cell function (``evaluate_cell``'s signature), as a ``module:function`` path
+            (any backend) or a callable (runs serially in this process; for tests and notebooks).
+        load_model: False passes ``model=None, tokenizer=None`` to ``cell_fn``.
+        get_task: task lookup used for validation (default :func:`kvsieve.eval.tasks.get_task`).
+        progress: show a tqdm progress bar on stderr.
+    """
+    validate_config(config, get_task)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    records_path = out / RECORDS_FILE
+    cells = expand_cells(config)
+    done = done_keys(read_records(records_path))
+    todo = [c for c in cells if cell_key(c) not in done]
+    outcome = SweepOutcome(out, skipped=len(cells) - len(todo))
+    if todo:
+        workers = min(config.workers or default_workers(), len(todo))
+        job = Job(
+            model=config.model if load_model else None, dtype=config.dtype, cell_fn=cell_fn,
+            threads=config.threads or default_threads(workers), reference_dir=str(out / REFERENCE_DIR),
+        )
+        if callable(cell_fn):
+            backend: Backend = SerialBackend(job)
+        else:
+            backend = make_backend(config.backend, job, workers, config.address)
+        bar = tqdm(total=len(cells), initial=outcome.skipped, desc="kvsieve eval", unit="cell", file=sys.stderr,
+                   disable=not progress, dynamic_ncols=True)
+        try:
+            with RecordWriter(records_path) as writer:
+                # The full-cache cells first: compressed cells compare against their reference.
+                for phase in ([c for c in todo if c.policy == FULL], [c for c in todo if c.policy != FULL]):
+                    for cell, record, error in backend.run(phase):
+                        if record is not None:
+                            writer.write(record)
+                            outcome.ran += 1
+                        else:
+                            outcome.failed += 1
+                            _log_error(out, cell, error or "")
+                        bar.set_postfix_str(_describe(cell), refresh=False)
+                        bar.update()
+        finally:
+            bar.close()
+            backend.close()
+    outcome.rows = write_summary(read_records(records_path), out)
+    return outcome
+
+
+def _log_error(out: Path, cell: Cell, error: str) -> None:
+    entry = {"task": cell.task, "policy": cell.policy, "params": cell.params_dict, "budget": cell.budget,
+             "length": cell.length, "sample": cell.sample, "seed": cell.seed, "error": error}
+    with (out / ERRORS_FILE).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+    last = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+    tqdm.write(f"kvsieve eval: {_describe(cell)} failed: {last} (see {out / ERRORS_FILE})", file=sys.stderr)
