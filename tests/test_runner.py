@@ -199,3 +199,10 @@ def test_ray_backend_matches_local(tmp_path: Path) -> None:
             ray.shutdown()
     assert remote.ran == 2 and remote.failed == 0
     assert _comparable(tmp_path / "ray" / "records.jsonl") == _comparable(tmp_path / "local" / "records.jsonl")
+
+
+def test_worker_processes_match_serial(tmp_path: Path) -> None:
+    serial = run_sweep(_tiny_config(tmp_path, "serial", samples=2), progress=False)
+    spawned = run_sweep(_tiny_config(tmp_path, "spawned", samples=2, workers=2), progress=False)
+    assert serial.ran == spawned.ran == 4 and spawned.failed == 0
+    assert _comparable(tmp_path / "spawned" / "records.jsonl") == _comparable(tmp_path / "serial" / "records.jsonl")

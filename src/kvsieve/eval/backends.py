@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any
 
@@ -53,7 +53,6 @@ class Job:
     cell_fn: str | CellFn = DEFAULT_CELL_FN
     threads: int = 1
     reference_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 Outcome = tuple[Cell, dict[str, Any] | None, str | None]  # (cell, record, error traceback)
