@@ -143,3 +143,56 @@ def test_shared_greedy_rows_equal_separate_teacher_forcing(tiny, tokenizer):
             assert gen.ids == own and gen.copies == int(answer != own[: len(answer)])
             separate = teacher_forced_logprobs(tiny, KVCache(tiny, policy), prompt, answer, stepwise=True)
             assert torch.allclose(gen.answer_rows, separate, atol=1e-6)
+
+
+TIMINGS = ("elapsed_s", "prefill_s", "decode_s", "prefill_shared", "reference_cached")
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "multiturn"])
+def test_cells_sharing_one_prefill_give_the_records_of_separate_cells(tiny, tokenizer, tmp_path, task):
+    from kvsieve.eval.evaluate import evaluate_cells
+
+    cells = [
+        ("snapkv", 32, None), ("full", None, None), ("h2o", 32, {"schedule": "decode"}),
+        ("h2o", 32, {"schedule": "blockwise", "block_size": 64}), ("tova", 48, None),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        together = evaluate_cells(tiny, tokenizer, task, cells, 384, 1, 0)
+        apart = [evaluate_cell(tiny, tokenizer, task, p, b, 384, 1, 0, params) for p, b, params in cells]
+    assert [r["prefill_shared"] for r in together] == [4, 4, 4, 1, 4]
+    assert [r["policy"] for r in together] == [c[0] for c in cells]
+    for joint, alone in zip(together, apart, strict=True):
+        assert {k: v for k, v in joint.items() if k not in TIMINGS} == {
+            k: v for k, v in alone.items() if k not in TIMINGS
+        }
+    assert all(r["reference_cached"] for r in together if r["policy"] != "full")
+
+
+def test_cells_validate_every_policy_before_work(tiny, tokenizer):
+    from kvsieve.eval.evaluate import evaluate_cells
+    from kvsieve.policies.base import PolicyConfigError
+
+    with pytest.raises(PolicyConfigError, match="window"):
+        evaluate_cells(tiny, tokenizer, "vt", [("full", None, None), ("snapkv", 8, None)], 8, 0, 0)
+
+
+def test_niah_shared_prefill_matches_separate_scoring(tiny, tokenizer):
+    from kvsieve.eval.niah import make_passkey_sample, run_niah, score_sample
+
+    factories = {
+        "full": lambda: None,
+        "snapkv": lambda: KVCache(tiny, "snapkv", budget=32),
+        "h2o": lambda: KVCache(tiny, "h2o", budget=32, schedule="decode"),
+        "tova_bw": lambda: KVCache(tiny, "tova", budget=32, schedule="blockwise", block_size=64),
+    }
+    records = run_niah(tiny, tokenizer, lengths=[256], depths=[0.5], make_cache_fns=factories, progress=False,
+                       max_new_tokens=4)
+    sample = make_passkey_sample(tokenizer, 256, 0.5, 0)
+    volatile = ("prefill_s", "decode_s_per_token", "teacher_forced_s", "prefill_shared")
+    for record in records:
+        alone = score_sample(tiny, sample, factories[record["name"]], max_new_tokens=4)
+        assert {k: v for k, v in alone.items() if k not in volatile} == {
+            k: record[k] for k in alone if k not in volatile
+        }
+    assert {r["name"]: r["prefill_shared"] for r in records} == {"full": 1, "snapkv": 2, "h2o": 2, "tova_bw": 1}

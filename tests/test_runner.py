@@ -58,9 +58,12 @@ def test_resume_skips_done_cells(tmp_path: Path) -> None:
     total = 2 * 2 * (1 + 2 * 2)  # tasks × samples × (full + policies × budgets)
     assert (outcome.ran, outcome.skipped, outcome.failed) == (total, 0, 0)
     assert len(fake.calls) == total
-    # Full-cache cells run first: compressed cells compare against their references.
-    first_compressed = next(i for i, c in enumerate(fake.calls) if c[1] != "full")
-    assert all(c[1] == "full" for c in fake.calls[:first_compressed]) and first_compressed == 4
+    # Cells run grouped by task sample, the full-cache reference first in each group.
+    group = 1 + 2 * 2
+    for start in range(0, total, group):
+        calls = fake.calls[start : start + group]
+        assert calls[0][1] == "full" and all(c[1] != "full" for c in calls[1:])
+        assert len({(c[0], c[3]) for c in calls}) == 1
 
     again = FakeCell()
     outcome = run_sweep(config, cell_fn=again, load_model=False, progress=False)

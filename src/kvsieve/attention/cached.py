@@ -72,6 +72,47 @@ def attend_cached(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
+def _append_step(
+    layer: KVLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    pad: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+) -> LayerStep:
+    """Append this chunk's (non-padding) entries and describe the forward as a :class:`LayerStep`."""
+    q_len, seen = query.shape[2], layer.seen
+    token_valid = None if pad is None else pad[:, seen : seen + q_len]
+    if token_valid is not None and bool(token_valid.all()):
+        token_valid = None
+    store = layer.store
+    assert store is not None
+    positions = torch.arange(seen, seen + q_len, device=query.device)
+    store.append(new_keys, new_values, positions, token_valid)
+    layer.seen = seen + q_len
+    step = LayerStep(
+        module=module, layer_idx=layer.layer_idx, info=layer.cache.info, query=query,
+        query_positions=positions, query_valid=token_valid, store=store, view=store.dense(),
+        scaling=scaling, sliding_window=sliding_window, forward_index=layer.forwards,
+    )
+    layer.forwards += 1
+    return step
+
+
+def _after_output(layer: KVLayer, step: LayerStep, sliding_window: int | None) -> None:
+    """Policy observation and compaction (managed layers), then the sliding-window trim."""
+    cache = layer.cache
+    if not layer.left_alone:
+        cache.policy.observe(step)
+        compressed = cache.policy.should_compress(step) and cache.compact(layer, step)
+        cache.note_forward(layer, step, compressed)
+    if sliding_window is not None:
+        # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
+        step.store.keep_positions_after(layer.seen - sliding_window + 1)
+
+
 def _attend_chunk(
     layer: KVLayer,
     module: torch.nn.Module,
@@ -83,40 +124,42 @@ def _attend_chunk(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """One forward (or one block of it) of one layer: ``pad`` covers every slot up to this chunk's end."""
-    cache = layer.cache
     q_len, seen = query.shape[2], layer.seen
-    token_valid = None if pad is None else pad[:, seen : seen + q_len]
-    if token_valid is not None and bool(token_valid.all()):
-        token_valid = None
-    store = layer.store
-    was_empty = int(store.length.sum()) == 0
-    positions = torch.arange(seen, seen + q_len, device=query.device)
-    store.append(new_keys, new_values, positions, token_valid)
-    layer.seen = seen + q_len
-
-    step = LayerStep(
-        module=module, layer_idx=layer.layer_idx, info=cache.info, query=query,
-        query_positions=positions, query_valid=token_valid, store=store, view=store.dense(),
-        scaling=scaling, sliding_window=sliding_window, forward_index=layer.forwards,
-    )
-    layer.forwards += 1
-    policy = cache.policy
-    managed = not layer.left_alone
-    output = policy.decode_attention(step) if managed and step.is_decoding else None
+    assert layer.store is not None
+    was_empty = int(layer.store.length.sum()) == 0
+    step = _append_step(layer, module, query, new_keys, new_values, pad, scaling, sliding_window)
+    policy = layer.cache.policy
+    output = policy.decode_attention(step) if not layer.left_alone and step.is_decoding else None
     if output is None:
         if was_empty and seen == 0:
             mask = dense_causal_mask(q_len, q_len, pad, sliding_window, query.device)
             output, _ = sdpa_attention_forward(module, query, new_keys, new_values, mask, scaling=scaling)
         else:
-            mask = _store_mask(step, cache.info.groups)
+            mask = _store_mask(step, layer.cache.info.groups)
             output, _ = sdpa_attention_forward(
                 module, query, step.view.keys, step.view.values, mask, scaling=scaling
             )
-    if managed:
-        policy.observe(step)
-        compressed = policy.should_compress(step) and cache.compact(layer, step)
-        cache.note_forward(layer, step, compressed)
-    if sliding_window is not None:
-        # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
-        store.keep_positions_after(layer.seen - sliding_window + 1)
+    _after_output(layer, step, sliding_window)
     return output
+
+
+def observe_first_forward(
+    layer: KVLayer,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+) -> None:
+    """A shared prefill's follower: store, observe and compact a prompt whose output another cache computed.
+
+    Only valid for a layer's first forward of more than one token on an empty store under a
+    non-blockwise schedule: its output would then be plain causal attention over the prompt itself,
+    the same for every cache, so it is computed once by the lead (see
+    :func:`kvsieve.cache.shared_prefill.prefill_shared`, which checks these conditions).
+    """
+    new_keys, new_values = layer.take_pending()
+    assert layer.seen == 0 and query.shape[2] > 1, "observe_first_forward: not a first prompt forward"
+    pad = padding_from_mask(attention_mask)
+    step = _append_step(layer, module, query, new_keys, new_values, pad, scaling, sliding_window)
+    _after_output(layer, step, sliding_window)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvsieve.attention.cached import attend_cached
+from kvsieve.attention.cached import attend_cached, observe_first_forward
 from kvsieve.attention.forward import LAYER_TAG
 from kvsieve.attention.register import prepare_model
 from kvsieve.attention.step import LayerStep
@@ -46,6 +46,8 @@ class KVLayer(CacheLayerMixin):
         self.seen = 0
         self.forwards = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: Same-index layers of other caches sharing this forward (set only by ``prefill_shared``).
+        self.followers: list[KVLayer] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -72,14 +74,23 @@ class KVLayer(CacheLayerMixin):
                 "use one cache per batch (cache.reset() to reuse it)"
             )
         self._pending = (key_states, value_states)
+        for follower in self.followers:
+            follower.receive(key_states, value_states)
         setattr(key_states, LAYER_TAG, self)
         return key_states, value_states
+
+    def receive(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Hold a shared forward's new entries (a follower of ``prefill_shared``; no tag, no checks)."""
+        if self.store is None:
+            self.lazy_initialization(key_states, value_states)
+        self._pending = (key_states, value_states)
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._pending is not None, "no pending entries for this layer"
         keys, values = self._pending
         self._pending = None
-        delattr(keys, LAYER_TAG)
+        if hasattr(keys, LAYER_TAG):
+            delattr(keys, LAYER_TAG)
         return keys, values
 
     def attend(
@@ -90,7 +101,10 @@ class KVLayer(CacheLayerMixin):
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        return attend_cached(self, module, query, attention_mask, scaling, sliding_window)
+        output = attend_cached(self, module, query, attention_mask, scaling, sliding_window)
+        for follower in self.followers:
+            observe_first_forward(follower, module, query, attention_mask, scaling, sliding_window)
+        return output
 
     def get_seq_length(self) -> int:
         """Logical length: tokens seen, not entries held."""

@@ -1,7 +1,10 @@
 """Where sweep cells run: in this process, in local worker processes, or as Ray tasks.
 
-Every backend calls the same :func:`execute_cell` on the same :class:`Job`, so a cell gives the same
-record wherever it runs. Each worker process loads the model once (a process-wide cache keyed by model
+The unit of work is a *group*: the cells of one task sample (same task, length, sample and seed),
+which :func:`execute_group` evaluates together so they share the sample, the full-cache reference and
+one prompt forward (:func:`kvsieve.eval.evaluate.evaluate_cells`); a custom ``cell_fn`` runs cell by
+cell. Every backend calls the same :func:`execute_group` on the same :class:`Job`, so a cell gives the
+same record wherever it runs. Each worker process loads the model once (a process-wide cache keyed by model
 name and dtype) and sets its torch threads to the job's ``threads``. Results stream back in completion
 order; the runner alone writes them to disk.
 """
@@ -93,14 +96,46 @@ def execute_cell(job: Job, cell: Cell) -> Outcome:
                 sample_index=cell.sample, seed=cell.seed, policy_params=cell.params_dict or None,
                 reference_dir=job.reference_dir,
             )
-        record = dict(record)
-        record.setdefault("elapsed_s", time.perf_counter() - started)
-        # The runner's identity fields win, so resuming always finds the cell again.
-        record.update(task=cell.task, policy=cell.policy, params=cell.params_dict, budget=cell.budget,
-                      length=cell.length, sample=cell.sample, seed=cell.seed)
-        return cell, record, None
+        return cell, _record(cell, record, time.perf_counter() - started), None
     except Exception:  # one bad cell must not end the sweep
         return cell, None, traceback.format_exc()
+
+
+def _record(cell: Cell, record: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    record = dict(record)
+    record.setdefault("elapsed_s", elapsed)
+    # The runner's identity fields win, so resuming always finds the cell again.
+    record.update(task=cell.task, policy=cell.policy, params=cell.params_dict, budget=cell.budget,
+                  length=cell.length, sample=cell.sample, seed=cell.seed)
+    return record
+
+
+def execute_group(job: Job, cells: Sequence[Cell]) -> list[Outcome]:
+    """Run the cells of one task sample in this process; never raises.
+
+    With the default cell function they are evaluated together (one sample, one shared prompt
+    forward); if that fails, each cell is run on its own so a bad cell only fails itself.
+    """
+    if job.cell_fn != DEFAULT_CELL_FN or len(cells) < 2:
+        return [execute_cell(job, cell) for cell in cells]
+    first = cells[0]
+    if any((c.task, c.length, c.sample, c.seed) != (first.task, first.length, first.sample, first.seed) for c in cells):
+        raise ValueError("execute_group: every cell of a group must be the same task sample")
+    try:
+        from kvsieve.eval.evaluate import evaluate_cells
+
+        if torch.get_num_threads() != job.threads:
+            torch.set_num_threads(job.threads)
+        model, tokenizer = _model_for(job)
+        started = time.perf_counter()
+        specs = [(c.policy, c.budget, c.params_dict or None) for c in cells]
+        with torch.no_grad():
+            records = evaluate_cells(model, tokenizer, first.task, specs, first.length, first.sample, first.seed,
+                                     job.reference_dir)
+        elapsed = (time.perf_counter() - started) / len(cells)
+        return [(cell, _record(cell, rec, elapsed), None) for cell, rec in zip(cells, records, strict=True)]
+    except Exception:
+        return [execute_cell(job, cell) for cell in cells]
 
 
 def _init_worker(threads: int) -> None:
@@ -115,9 +150,9 @@ class SerialBackend:
     def __init__(self, job: Job):
         self.job = job
 
-    def run(self, cells: Sequence[Cell]) -> Iterator[Outcome]:
-        for cell in cells:
-            yield execute_cell(self.job, cell)
+    def run(self, groups: Sequence[Sequence[Cell]]) -> Iterator[Outcome]:
+        for group in groups:
+            yield from execute_group(self.job, group)
 
     def close(self) -> None:
         return None
@@ -136,13 +171,15 @@ class ProcessBackend:
             max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(job.threads,)
         )
 
-    def run(self, cells: Sequence[Cell]) -> Iterator[Outcome]:
-        pending: set[Future[Outcome]] = {self.pool.submit(execute_cell, self.job, cell) for cell in cells}
+    def run(self, groups: Sequence[Sequence[Cell]]) -> Iterator[Outcome]:
+        pending: set[Future[list[Outcome]]] = {
+            self.pool.submit(execute_group, self.job, list(group)) for group in groups
+        }
         try:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    yield future.result()
+                    yield from future.result()
         finally:
             for future in pending:
                 future.cancel()
@@ -175,15 +212,15 @@ class RayBackend:
                 ray.init(address=address, log_to_driver=False)
             else:
                 ray.init(num_cpus=workers * job.threads, include_dashboard=False, log_to_driver=False)
-        self.remote = ray.remote(num_cpus=job.threads, max_retries=0)(execute_cell)
+        self.remote = ray.remote(num_cpus=job.threads, max_retries=0)(execute_group)
 
-    def run(self, cells: Sequence[Cell]) -> Iterator[Outcome]:
-        pending = [self.remote.remote(self.job, cell) for cell in cells]
+    def run(self, groups: Sequence[Sequence[Cell]]) -> Iterator[Outcome]:
+        pending = [self.remote.remote(self.job, list(group)) for group in groups]
         try:
             while pending:
                 done, pending = self.ray.wait(pending, num_returns=1)
                 for ref in done:
-                    yield self.ray.get(ref)
+                    yield from self.ray.get(ref)
         finally:
             for ref in pending:
                 self.ray.cancel(ref)

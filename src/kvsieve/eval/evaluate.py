@@ -14,6 +14,14 @@
    the answer span), computed once per sample and, with ``reference_dir``, saved as safetensors
    there and reused by every later cell of the sweep (:mod:`kvsieve.eval.reference`).
 
+:func:`evaluate_cells` evaluates several caches on one sample (what the sweep runner sends a worker):
+the sample is built once, the full-cache cell runs first and its reference is kept in memory, and
+every cache whose prompt forward does not depend on its policy (all schedules but ``blockwise``) is
+filled by one shared forward (:func:`kvsieve.cache.shared_prefill.prefill_shared`), which leaves each
+cache exactly as its own prefill would. Records are the same as from :func:`evaluate_cell` apart from
+timings; ``prefill_shared`` says how many caches shared the forward (1: its own) and ``prefill_s`` is
+the shared forward's time, of which ``elapsed_s`` counts an equal share.
+
 Record fields (all kinds): ``task, policy, budget, length, sample, seed, prompt_tokens, score,
 generated, answer_logprob, answer_logprob_full, logprob_gap, kl_full_compressed, kv_bytes_held,
 kv_bytes_full, elapsed_s``, plus ``policy_desc, references, answer, answer_tokens, generated_tokens,
@@ -44,6 +52,7 @@ from typing import Any
 import torch
 
 from kvsieve.cache.kv_cache import KVCache
+from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.eval.metrics import answer_logprob, kl_per_position, mean_kl, token_logprobs
 from kvsieve.eval.passes import forward_logits, greedy, needs_stepwise, stream_nll, teacher_force
 from kvsieve.eval.reference import fingerprint, load_reference, reference_path, save_reference
@@ -67,17 +76,25 @@ class _Cell:
     stepwise: bool
     budget: int | None
     reference_dir: Path | None
+    #: Filled by a shared prefill: ``(cache, last logits, seconds, caches sharing it)``.
+    prefilled: tuple[KVCache, torch.Tensor, float, int] | None = None
+    #: References of this sample already computed in this process, by fingerprint extra.
+    memory: dict[str, dict[str, torch.Tensor]] | None = None
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def load(self, extra: str = "") -> dict[str, torch.Tensor] | None:
+        if self.memory is not None and extra in self.memory:
+            return self.memory[extra]
         if self.reference_dir is None:
             return None
         path = reference_path(self.reference_dir, self.sample)
         return load_reference(path, fingerprint(self.model, self.sample, extra))
 
     def save(self, tensors: dict[str, torch.Tensor], extra: str = "") -> None:
+        if self.memory is not None:
+            self.memory[extra] = tensors
         if self.reference_dir is not None:
             path = reference_path(self.reference_dir, self.sample)
             save_reference(path, tensors, fingerprint(self.model, self.sample, extra))
@@ -89,6 +106,10 @@ class _Cell:
         per_token = info.num_kv_heads * info.head_dim * 2 * element
         held = sum(tokens if w is None else min(tokens, w - 1) for w in info.sliding_windows)
         return held * per_token
+
+
+CellSpec = tuple[str, int | None, dict[str, Any] | None]
+"""One cache of :func:`evaluate_cells`: ``(policy, budget, policy_params)``."""
 
 
 def evaluate_cell(
@@ -115,37 +136,89 @@ def evaluate_cell(
         policy_params: extra policy parameters (``schedule``, ``window``...).
         reference_dir: folder for the full-cache references of the sweep (None: recompute each time).
     """
+    cells = [(policy, budget, policy_params)]
+    return evaluate_cells(model, tokenizer, task, cells, length, sample_index, seed, reference_dir)[0]
+
+
+def evaluate_cells(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: str,
+    cells: list[CellSpec],
+    length: int,
+    sample_index: int,
+    seed: int,
+    reference_dir: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """Evaluate one sample of ``task`` under several caches, sharing what can be shared.
+
+    Every policy is validated before any model work. Returns one record per entry of ``cells``, in
+    order (see the module docstring).
+    """
     started = time.perf_counter()
     spec = get_task(task)
+    probes: list[tuple[str, int | None, Callable[[], KVCache], KVCache]] = []
+    for policy, budget, policy_params in cells:
+        params = dict(policy_params or {})
+        if policy != "full" and budget is not None:
+            params["budget"] = budget
+
+        def make_cache(policy: str = policy, params: dict[str, Any] = params) -> KVCache:
+            return KVCache(model, policy, **params)
+
+        probes.append((policy, budget, make_cache, make_cache()))  # validates before any model work
     sample = spec.make_sample(tokenizer, length, sample_index, seed)
-    params = dict(policy_params or {})
-    is_full = policy == "full"
-    if not is_full and budget is not None:
-        params["budget"] = budget
-
-    def make_cache() -> KVCache:
-        return KVCache(model, policy, **params)
-
-    probe = make_cache()  # validates the policy before any model work
-    cell = _Cell(
-        model, tokenizer, spec, sample, make_cache, is_full, needs_stepwise(probe.policy), budget,
-        Path(reference_dir) if reference_dir is not None else None,
-    )
+    ref_dir = Path(reference_dir) if reference_dir is not None else None
+    memory: dict[str, dict[str, torch.Tensor]] = {}
+    prepared: list[tuple[_Cell, KVCache, dict[str, Any]]] = []
+    for policy, budget, make_cache, probe in probes:
+        cell = _Cell(
+            model, tokenizer, spec, sample, make_cache, policy == "full", needs_stepwise(probe.policy), budget,
+            ref_dir, memory=memory,
+        )
+        prepared.append((cell, probe, {"task": task, "policy": policy, "budget": budget}))
+    setup_s = time.perf_counter() - started
     runners = {"generate": _generate_cell, "multiturn": _multiturn_cell, "perplexity": _perplexity_cell}
+    records: list[dict[str, Any] | None] = [None] * len(prepared)
     with torch.inference_mode():
-        body = runners[spec.kind](cell)
-    record: dict[str, Any] = {
-        "task": task, "policy": policy, "budget": budget, "length": length, "sample": sample_index,
-        "seed": seed, "prompt_tokens": sample.prompt_tokens, **body, "policy_desc": str(probe.policy),
-    }
-    for key, value in sample.meta.items():
-        if isinstance(value, int | float | str | bool) and key not in record:
-            record[key] = value
-    record["elapsed_s"] = time.perf_counter() - started
-    return record
+        shared = [i for i, (_, probe, _) in enumerate(prepared) if probe.policy.schedule != "blockwise"]
+        if spec.kind != "perplexity" and len(shared) > 1:
+            t0 = time.perf_counter()
+            out = prefill_shared(model, _ids(model, sample.prompt_ids), [prepared[i][1] for i in shared],
+                                 logits_to_keep=1)
+            first, prefill_s = out.logits[0, -1].float(), time.perf_counter() - t0
+            for i in shared:
+                prepared[i][0].prefilled = (prepared[i][1], first, prefill_s, len(shared))
+        # The full cache first: the others compare against the reference it leaves in memory.
+        order = sorted(range(len(prepared)), key=lambda i: not prepared[i][0].is_full)
+        for i in order:
+            cell, probe, head = prepared[i]
+            t0 = time.perf_counter()
+            share = cell.prefilled[3] if cell.prefilled is not None else 1
+            prefill_part = cell.prefilled[2] / share if cell.prefilled is not None else 0.0
+            body = runners[spec.kind](cell)
+            cell.prefilled = None
+            record: dict[str, Any] = {
+                **head, "length": length, "sample": sample_index, "seed": seed,
+                "prompt_tokens": sample.prompt_tokens, **body, "policy_desc": str(probe.policy),
+                "prefill_shared": share,
+            }
+            for key, value in sample.meta.items():
+                if isinstance(value, int | float | str | bool) and key not in record:
+                    record[key] = value
+            record["elapsed_s"] = time.perf_counter() - t0 + prefill_part + setup_s / len(prepared)
+            records[i] = record
+    return [r for r in records if r is not None]
+
+
+def _ids(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return torch.tensor([list(ids)], dtype=torch.long, device=model.device)
 
 
 def _prefill(cell: _Cell) -> tuple[KVCache, torch.Tensor, float]:
+    if cell.prefilled is not None:
+        cache, first, seconds, _ = cell.prefilled
+        return cache, first, seconds
     cache = cell.make_cache()
     started = time.perf_counter()
     first = forward_logits(cell.model, cell.sample.prompt_ids, cache, 1)[-1]

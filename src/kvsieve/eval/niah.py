@@ -41,6 +41,8 @@ import torch
 from tqdm import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.cache.kv_cache import KVCache
+from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.eval.haystack import load_essay_texts
 
 PREFIX = (
@@ -233,8 +235,12 @@ def score_sample(
     sample: NeedleSample,
     make_cache: Callable[[], Cache | None],
     max_new_tokens: int = 8,
+    prefilled: tuple[Cache, torch.Tensor, float] | None = None,
 ) -> dict[str, Any]:
     """Greedy retrieval and teacher-forced answer log-likelihood of one sample under ``make_cache``.
+
+    ``prefilled`` = ``(cache, last-position logits (1, vocab), seconds)`` skips the prefill (a cache
+    filled by :func:`kvsieve.cache.shared_prefill.prefill_shared`).
 
     One prefill on a fresh cache from ``make_cache`` (None means a plain ``DynamicCache``), then two
     continuations: greedy decoding one token per forward call, and, on a deep copy of the prefilled
@@ -249,10 +255,13 @@ def score_sample(
     """
     eos = _eos_ids(model)
     with torch.inference_mode():
-        cache = _new_cache(model, make_cache)
-        started = time.perf_counter()
-        first = _forward(model, sample.prompt_ids, cache, 1)
-        prefill_s = time.perf_counter() - started
+        if prefilled is not None:
+            cache, first, prefill_s = prefilled
+        else:
+            cache = _new_cache(model, make_cache)
+            started = time.perf_counter()
+            first = _forward(model, sample.prompt_ids, cache, 1)
+            prefill_s = time.perf_counter() - started
         # The teacher-forced pass continues from a copy of the prefilled (already compressed) cache.
         forced_cache = copy.deepcopy(cache)
         logits = first[-1]
@@ -293,6 +302,23 @@ def score_sample(
     }
 
 
+def _shared_prefill(
+    model: PreTrainedModel, sample: NeedleSample, factories: Mapping[str, Callable[[], Cache | None]]
+) -> dict[str, tuple[Cache, torch.Tensor, float]]:
+    """Fill every shareable ``KVCache`` of ``factories`` from one prompt forward (none if fewer than two)."""
+    caches = {name: make() for name, make in factories.items()}
+    names = [n for n, c in caches.items() if isinstance(c, KVCache) and c.policy.schedule != "blockwise"]
+    if len(names) < 2:
+        return {}
+    ids = torch.tensor([list(sample.prompt_ids)], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = prefill_shared(model, ids, [caches[n] for n in names], logits_to_keep=1)
+        seconds = time.perf_counter() - started
+    first = out.logits[0].float()
+    return {name: (caches[name], first, seconds) for name in names}
+
+
 def run_niah(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -308,7 +334,10 @@ def run_niah(
     ``make_cache_fns`` maps a name to a cache factory (default ``{"full": lambda: None}``, a plain
     ``DynamicCache``). Each record holds ``name``, ``context_tokens``, ``depth``, ``seed``,
     ``prompt_tokens``, ``needle_start``, ``needle_end``, ``answer`` and the :func:`score_sample` fields.
-    Samples are built once and shared by all caches. Progress goes to stderr.
+    Samples are built once and shared by all caches; on each sample, every ``KVCache`` whose prompt
+    forward does not depend on its policy (all but the ``blockwise`` schedule) is filled by one shared
+    forward (:func:`kvsieve.cache.shared_prefill.prefill_shared`; ``prefill_shared`` in the record
+    counts the caches, ``prefill_s`` is that forward's time). Progress goes to stderr.
     """
     factories: Mapping[str, Callable[[], Cache | None]] = make_cache_fns or {"full": lambda: None}
     samples = [
@@ -319,8 +348,12 @@ def run_niah(
     bar = tqdm(total=len(samples) * len(factories), file=sys.stderr, disable=not progress, desc="niah")
     with bar:
         for sample in samples:
+            prefilled = _shared_prefill(model, sample, factories)
+            sharing = len(prefilled)
             for name, make_cache in factories.items():
-                scores = score_sample(model, sample, make_cache, max_new_tokens=max_new_tokens)
+                filled = prefilled.pop(name, None)
+                scores = score_sample(model, sample, make_cache, max_new_tokens, filled)
+                scores["prefill_shared"] = sharing if filled is not None else 1
                 hits[name] = hits.get(name, 0) + int(scores["exact_match"])
                 records.append(
                     {

@@ -1,8 +1,10 @@
 """``kvsieve eval``: run a sweep of cells, append each record to ``records.jsonl``, summarise.
 
 A cell is one task sample under one cache. The grid is every task × length × sample under the full
-cache (the reference, run first so compressed cells find it in ``reference/``) and under every policy ×
-budget. A restarted sweep reads ``records.jsonl`` and skips the cells already there; failed cells are
+cache (the reference, saved in ``reference/`` for later cells) and under every policy × budget. The
+cells still to run are sent to the backend grouped by task sample, so a worker builds each sample
+once and fills every non-blockwise cache from one prompt forward (:mod:`kvsieve.eval.backends`).
+A restarted sweep reads ``records.jsonl`` and skips the cells already there; failed cells are
 logged to ``errors.jsonl`` and run again on the next start.
 """
 
@@ -65,6 +67,14 @@ def expand_cells(config: SweepConfig) -> list[Cell]:
     return cells
 
 
+def group_cells(cells: list[Cell]) -> list[list[Cell]]:
+    """The cells grouped by task sample (task, length, sample, seed), full-cache cell first in each."""
+    groups: dict[tuple[str, int, int, int], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.task, cell.length, cell.sample, cell.seed), []).append(cell)
+    return [sorted(group, key=lambda c: c.policy != FULL) for group in groups.values()]
+
+
 def _describe(cell: Cell) -> str:
     budget = "" if cell.budget is None else f"@{cell.budget}"
     return f"{cell.task} {cell.length} #{cell.sample} {cell.policy}{budget}"
@@ -111,17 +121,15 @@ def run_sweep(
                    disable=not progress, dynamic_ncols=True)
         try:
             with RecordWriter(records_path) as writer:
-                # The full-cache cells first: compressed cells compare against their reference.
-                for phase in ([c for c in todo if c.policy == FULL], [c for c in todo if c.policy != FULL]):
-                    for cell, record, error in backend.run(phase):
-                        if record is not None:
-                            writer.write(record)
-                            outcome.ran += 1
-                        else:
-                            outcome.failed += 1
-                            _log_error(out, cell, error or "")
-                        bar.set_postfix_str(_describe(cell), refresh=False)
-                        bar.update()
+                for cell, record, error in backend.run(group_cells(todo)):
+                    if record is not None:
+                        writer.write(record)
+                        outcome.ran += 1
+                    else:
+                        outcome.failed += 1
+                        _log_error(out, cell, error or "")
+                    bar.set_postfix_str(_describe(cell), refresh=False)
+                    bar.update()
         finally:
             bar.close()
             backend.close()

@@ -1,0 +1,111 @@
+"""One prompt forward filling several caches gives each exactly the state of its own prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_pad, prompt
+
+import kvsieve
+from kvsieve.cache.shared_prefill import prefill_shared
+
+#: (policy, params): every scoring family, a budget allocator, a decode-schedule policy and a full cache.
+SPECS = [
+    ("full", {}),
+    ("snapkv", {"budget": 8, "window": 4}),
+    ("h2o", {"budget": 6}),
+    ("tova", {"budget": 10}),
+    ("streaming_llm", {"budget": 8}),
+    ("pyramidkv", {"budget": 8, "window": 4}),
+    ("adakv", {"budget": 8, "window": 4}),
+    ("restkv", {"budget": 8, "window": 4}),
+    ("h2o_caote", {"budget": 8}),
+    ("random", {"budget": 7, "seed": 3}),
+    ("h2o", {"budget": 9, "schedule": "decode"}),
+    ("exact_topk", {"budget": 4}),
+]
+
+
+def _caches(model: torch.nn.Module) -> list[kvsieve.KVCache]:
+    return [kvsieve.KVCache(model, name, **params) for name, params in SPECS]
+
+
+def _assert_same_state(a: kvsieve.KVCache, b: kvsieve.KVCache) -> None:
+    assert a.get_seq_length() == b.get_seq_length()
+    assert torch.equal(a.head_lengths(), b.head_lengths())
+    for layer_idx, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
+        assert la.store is not None and lb.store is not None
+        for batch in range(la.store.batch):
+            for head in range(la.store.heads):
+                assert torch.equal(a.kept_positions(layer_idx, batch, head), b.kept_positions(layer_idx, batch, head))
+                ka, va = a.kept_entries(layer_idx, batch, head)
+                kb, vb = b.kept_entries(layer_idx, batch, head)
+                assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_every_cache_matches_its_own_prefill_and_decodes_the_same(model):
+    ids = prompt(length=40, seed=5)
+    shared = _caches(model)
+    out = prefill_shared(model, ids, shared)
+    for (name, params), cache in zip(SPECS, shared, strict=True):
+        alone = kvsieve.KVCache(model, name, **params)
+        own = model(input_ids=ids, past_key_values=alone, use_cache=True)
+        assert torch.equal(out.logits, own.logits), name
+        _assert_same_state(cache, alone)
+        # Both continue identically (policies that act at decoding included).
+        nxt = own.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            la = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            lb = model(input_ids=nxt, past_key_values=alone, use_cache=True).logits
+            assert torch.equal(la, lb), name
+            nxt = la[:, -1:].argmax(-1)
+    # Nothing is left linking the caches.
+    assert all(not layer.followers for cache in shared for layer in cache.layers)
+
+
+def test_left_padded_batch(model):
+    ids, mask, _ = left_pad([prompt(length=30, seed=1)[0], prompt(length=22, seed=2)[0]])
+    specs = [("snapkv", {"budget": 8, "window": 4}), ("h2o", {"budget": 8})]
+    shared = [kvsieve.KVCache(model, name, **params) for name, params in specs]
+    out = prefill_shared(model, ids, shared, attention_mask=mask)
+    for (name, params), cache in zip(specs, shared, strict=True):
+        alone = kvsieve.KVCache(model, name, **params)
+        own = model(input_ids=ids, attention_mask=mask, past_key_values=alone, use_cache=True)
+        assert torch.equal(out.logits, own.logits)
+        _assert_same_state(cache, alone)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m: [], "at least one"),
+        (lambda m: [kvsieve.KVCache(m, "h2o", budget=8, schedule="blockwise", block_size=8)], "blockwise"),
+        (lambda m: [kvsieve.KVCache(m, "tova", budget=8)] * 2, "twice"),
+    ],
+)
+def test_rejects_unshareable_caches_before_any_work(model, make, match):
+    caches = make(model)
+    with pytest.raises(ValueError, match=match):
+        prefill_shared(model, prompt(length=20), caches)
+    assert all(c.get_seq_length() == 0 for c in caches)
+
+
+def test_rejects_used_cache_and_short_prompt(model):
+    used = kvsieve.KVCache(model, "tova", budget=8)
+    model(input_ids=prompt(length=12), past_key_values=used, use_cache=True)
+    fresh = kvsieve.KVCache(model, "h2o", budget=8)
+    with pytest.raises(ValueError, match=r"caches\[1\] is not empty"):
+        prefill_shared(model, prompt(length=20), [fresh, used])
+    assert fresh.get_seq_length() == 0
+    with pytest.raises(ValueError, match="tokens ≥ 2"):
+        prefill_shared(model, prompt(length=1), [fresh])
+
+
+def test_failed_forward_resets_every_cache(model):
+    caches = [kvsieve.KVCache(model, "h2o", budget=8), kvsieve.KVCache(model, "tova", budget=8)]
+    bad_mask = torch.ones(1, 5, dtype=torch.long)  # shorter than the prompt
+    with pytest.raises(Exception):  # noqa: B017 - whatever the model raises, the caches must be reset
+        prefill_shared(model, prompt(length=20), caches, attention_mask=bad_mask)
+    for cache in caches:
+        assert cache.get_seq_length() == 0
+        assert all(layer.store is None and not layer.followers for layer in cache.layers)
