@@ -97,17 +97,21 @@ def test_ema_hand_computed():
     ("d_front", "d_rear", "width", "shift"),
     [
         (5000.0, 1000.0, 5, 2),  # ΔD = 4000: ⌊2⌋ → W = 5, γ = 2
-        (1000.0, 5000.0, 5, -1),  # ΔD = -4000: γ = ⌊-2⌋ + 1
+        (1000.0, 5000.0, 5, -2),  # ΔD = -4000: trunc(-2) (printed: ⌊-2⌋ + 1 = -1)
         (3500.0, 1000.0, 3, 1),  # ⌊1.25⌋
         (1000.0, 3500.0, 3, -1),  # ⌊-1.25⌋ + 1
         (1100.0, 1000.0, 1, 0),  # |ΔD| < β: W = 1, no shift
         (1000.0, 1100.0, 1, 0),  # ⌊-0.05⌋ + 1 = 0
-        (1000.0, 1000.0, 1, 1),  # ΔD = 0 falls in the "≤ 0" branch of Eq. 12: ⌊0⌋ + 1
+        (1000.0, 1000.0, 1, 0),  # ΔD = 0: centred (Eq. 12 as printed would give ⌊0⌋ + 1 = 1)
+        (1000.0, 3000.0, 3, -1),  # ΔD = -2000 exactly: trunc(-1) (printed: ⌊-1⌋ + 1 = 0)
     ],
 )
 def test_adaptive_window_eq_11_12(d_front, d_rear, width, shift):
     w, s = adaptive_window(torch.tensor([d_front]), torch.tensor([d_rear]), 2000)
     assert (int(w), int(s)) == (width, shift)
+    # A base kernel k widens the same way: W_s = k + 2⌊|ΔD|/β⌋, same shift.
+    w5, s5 = adaptive_window(torch.tensor([d_front]), torch.tensor([d_rear]), 2000, base=5)
+    assert (int(w5), int(s5)) == (width + 4, shift)
 
 
 def test_shifted_window_mean_eq_13():
@@ -161,7 +165,7 @@ def test_top_index_mean_brute_force(ragged):
 
 def test_adaptive_spatial_smoothing_hand_computed():
     # front queries peak at index 2, rear queries at index 5: D_front = 2, D_rear = 5, ΔD = -3;
-    # with β = 1: W_s = 2·3 + 1 = 7, γ = ⌊-3⌋ + 1 = -2, so j averages E[j - 5 .. j + 1] over 7.
+    # with β = 1: W_s = 2·3 + 1 = 7, γ = trunc(-3) = -3, so j averages E[j - 6 .. j] over 7.
     n = 10
     indicator = torch.zeros(1, 1, 4, n)
     indicator[0, 0, :2, 2] = 1.0
@@ -169,11 +173,19 @@ def test_adaptive_spatial_smoothing_hand_computed():
     smoothed = torch.arange(n, dtype=torch.float32).view(1, 1, n)
     candidates = torch.ones(1, 1, n, dtype=torch.bool)
     out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0)
-    expected = torch.tensor([sum(m for m in range(j - 5, j + 2) if 0 <= m < n) / 7 for j in range(n)])
+    expected = torch.tensor([sum(m for m in range(j - 6, j + 1) if 0 <= m < n) / 7 for j in range(n)])
     torch.testing.assert_close(out[0, 0], expected)
-    # β = 2000: |ΔD| < β, W_s = 1 and γ = ⌊-3/2000⌋ + 1 = 0 — unchanged
+    # β = 2000: |ΔD| < β, W_s = 1 and γ = trunc(-3/2000) = 0 — unchanged
     out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=2000.0)
     torch.testing.assert_close(out, smoothed)
+    # ... and with base kernel 5 it is a centred 5-wide mean (SnapKV's avgpool, zero padded).
+    out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=2000.0, base=5)
+    expected = torch.tensor([sum(m for m in range(j - 2, j + 3) if 0 <= m < n) / 5 for j in range(n)])
+    torch.testing.assert_close(out[0, 0], expected)
+    # β = 1, base 5: W_s = 5 + 6 = 11, γ = -3: j averages E[j - 8 .. j + 2] over 11.
+    out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0, base=5)
+    expected = torch.tensor([sum(m for m in range(j - 8, j + 3) if 0 <= m < n) / 11 for j in range(n)])
+    torch.testing.assert_close(out[0, 0], expected)
 
 
 # ---------------------------------------------------------------------------- policy on a synthetic step
@@ -257,7 +269,7 @@ def test_restkv_ablations_and_aws_wiring():
         per_head = 0.3 * masked[:, :, t] + 0.7 * per_head
     prefix = torch.arange(N).view(1, 1, -1).expand(BATCH, Q_HEADS, N) < N - WINDOW
     k = torch.full((BATCH, Q_HEADS), 6)
-    smoothed = adaptive_spatial_smoothing(per_head, masked, k, prefix, 1.5)
+    smoothed = adaptive_spatial_smoothing(per_head, masked, k, prefix, 1.5, base=aws.kernel_size)
     expected = smoothed.view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
     assert not torch.allclose(expected, ema)  # the small β did shift/widen some head
     torch.testing.assert_close(aws.raw_scores(step).double(), expected, atol=1e-5, rtol=1e-4)

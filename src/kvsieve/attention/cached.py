@@ -81,8 +81,12 @@ def _append_step(
     pad: torch.Tensor | None,
     scaling: float,
     sliding_window: int | None,
+    memo: dict[object, torch.Tensor] | None = None,
 ) -> LayerStep:
-    """Append this chunk's (non-padding) entries and describe the forward as a :class:`LayerStep`."""
+    """Append this chunk's (non-padding) entries and describe the forward as a :class:`LayerStep`.
+
+    ``memo`` shares the step's lazily computed statistics with other steps over identical entries.
+    """
     q_len, seen = query.shape[2], layer.seen
     token_valid = None if pad is None else pad[:, seen : seen + q_len]
     if token_valid is not None and bool(token_valid.all()):
@@ -97,6 +101,8 @@ def _append_step(
         query_positions=positions, query_valid=token_valid, store=store, view=store.dense(),
         scaling=scaling, sliding_window=sliding_window, forward_index=layer.forwards,
     )
+    if memo is not None:
+        step._memo = memo
     layer.forwards += 1
     return step
 
@@ -150,16 +156,19 @@ def observe_first_forward(
     attention_mask: torch.Tensor | None,
     scaling: float,
     sliding_window: int | None,
+    memo: dict[object, torch.Tensor] | None = None,
 ) -> None:
     """A shared prefill's follower: store, observe and compact a prompt whose output another cache computed.
 
     Only valid for a layer's first forward of more than one token on an empty store under a
     non-blockwise schedule: its output would then be plain causal attention over the prompt itself,
     the same for every cache, so it is computed once by the lead (see
-    :func:`kvsieve.cache.shared_prefill.prefill_shared`, which checks these conditions).
+    :func:`kvsieve.cache.shared_prefill.prefill_shared`, which checks these conditions). Before its
+    compaction every follower holds exactly the prompt's entries, so followers pass one ``memo``: window
+    rows, window outputs and column sums are computed once for all of them.
     """
     new_keys, new_values = layer.take_pending()
     assert layer.seen == 0 and query.shape[2] > 1, "observe_first_forward: not a first prompt forward"
     pad = padding_from_mask(attention_mask)
-    step = _append_step(layer, module, query, new_keys, new_values, pad, scaling, sliding_window)
+    step = _append_step(layer, module, query, new_keys, new_values, pad, scaling, sliding_window, memo)
     _after_output(layer, step, sliding_window)

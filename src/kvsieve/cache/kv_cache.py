@@ -102,8 +102,9 @@ class KVLayer(CacheLayerMixin):
         sliding_window: int | None,
     ) -> torch.Tensor:
         output = attend_cached(self, module, query, attention_mask, scaling, sliding_window)
+        memo: dict[object, torch.Tensor] = {}  # statistics of the same entries, computed once for all
         for follower in self.followers:
-            observe_first_forward(follower, module, query, attention_mask, scaling, sliding_window)
+            observe_first_forward(follower, module, query, attention_mask, scaling, sliding_window, memo)
         return output
 
     def get_seq_length(self) -> int:

@@ -11,9 +11,15 @@ Prefill-once, like SnapKV, over the same observation window (the last ``window``
    "w/o LOR", 33.95 in both);
 2. temporal smoothing: EMA over the window queries in order, ``α = 0.3`` (Eq. 9); ``use_ema=False``
    takes the plain mean instead (Table 16 "Mean" = Table 3 "w/o EMA", 34.02 in both);
-3. spatial smoothing: adaptive window (AWS, Eq. 10–13, ``β = 2000``) with ``B`` the head's budget;
-   ``adaptive_smoothing=False`` uses SnapKV's avgpool with ``kernel_size`` (Table 16 "Avgpool"; App. B
-   lists k = 5 for ReST-KV; ``kernel_size=1`` is Table 3's "w/o AWS" = Table 16 spatial "None");
+3. spatial smoothing: adaptive window (AWS, Eq. 10–13, ``β = 2000``) with ``B`` the head's budget,
+   around a base kernel ``kernel_size`` (App. B: k = 5 for ReST-KV, 21 on RULER): ``W_s = k + 2⌊|ΔD|/β⌋``.
+   **Differs from Eq. 11 as printed** (``W_s = 2⌊|ΔD|/β⌋ + 1``; ``kernel_size=1`` gives it exactly):
+   printed, the window is 1 — no spatial smoothing — unless the important entries drift by ≥ β = 2000
+   tokens, which on the default model's 2k–4k needle prompts made ReST-KV worse than SnapKV (answer
+   log-likelihood −10.6 vs −4.2 at budget 256, 2k; ``docs/results/issue3``). Eq. 12's shift is rounded
+   towards zero (see :func:`kvsieve.scores.smoothing.adaptive_window`).
+   ``adaptive_smoothing=False`` uses SnapKV's avgpool with ``kernel_size`` (Table 16 "Avgpool";
+   ``kernel_size=1`` there is Table 3's "w/o AWS" = Table 16 spatial "None");
 4. GQA: mean over the query heads of each KV group (METHODS.md); the window is always kept (Eq. 8's Ω).
 
 Only entries before the window (Eq. 8's ``n < t - S_w``) compete: window entries get 0 before smoothing
@@ -102,7 +108,9 @@ class RestKV(Policy):
             lengths = step.lengths()
             budget = self.target(lengths.cpu(), step.layer_idx, step.info.num_layers).to(lengths.device)
             k = budget.repeat_interleave(groups, dim=1)
-            smoothed = adaptive_spatial_smoothing(smoothed, indicator, k, prefix, self.beta, query_valid)
+            smoothed = adaptive_spatial_smoothing(
+                smoothed, indicator, k, prefix, self.beta, query_valid, self.kernel_size
+            )
         else:
             smoothed = pool_scores(smoothed, self.kernel_size, "avgpool")
         return reduce_groups(smoothed.float(), step.info.num_kv_heads, "mean")

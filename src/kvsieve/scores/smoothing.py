@@ -70,16 +70,24 @@ def top_index_mean(indicator: torch.Tensor, k: torch.Tensor, candidates: torch.T
     return (index.to(indicator.dtype) * chosen).sum(dim=-1) / count
 
 
-def adaptive_window(d_front: torch.Tensor, d_rear: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 11–12: width ``W_s = 2⌊|D_rear - D_front|/β⌋ + 1`` and shift ``γ`` (long tensors).
+def adaptive_window(
+    d_front: torch.Tensor, d_rear: torch.Tensor, beta: float, base: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 11–12 with a base kernel: width ``W_s = base + 2⌊|ΔD|/β⌋`` and shift ``γ`` (long tensors).
 
-    ``γ = ⌊(D_front - D_rear)/β⌋`` if ``D_front - D_rear > 0``, else ``⌊(D_front - D_rear)/β⌋ + 1``,
-    exactly as printed (so ``ΔD = 0`` gives ``γ = 1``; for ``0 < |ΔD| < β`` it is 0).
+    ``base = 1`` is Eq. 11 as printed. kvsieve's ReST-KV passes its ``kernel_size`` (App. B: ReST-KV
+    uses SnapKV's k = 5, 21 on RULER), reading Eq. 11's ``+1`` as the base kernel the drift widens:
+    printed literally, ``W_s = 1`` whenever the important entries drift by less than ``β`` = 2000
+    tokens, i.e. no spatial smoothing at all on almost every prompt, which matches neither the 2.36-point
+    "w/o AWS" ablation nor the kernel size App. B lists for ReST-KV.
+
+    ``γ = trunc((D_front - D_rear)/β)`` (rounded towards zero). Eq. 12 prints ``⌊x⌋`` for ``x > 0`` and
+    ``⌊x⌋ + 1`` for ``x ≤ 0``, which is the same except at whole ``x ≤ 0``, where it gives ``x + 1``
+    — ``γ = 1`` for ``ΔD = 0``, shifting the window when nothing moved. kvsieve keeps it centred there.
     """
     delta = d_front - d_rear
-    width = 2 * torch.floor(delta.abs() / beta).long() + 1
-    shift = torch.floor(delta / beta).long()
-    shift = torch.where(delta > 0, shift, shift + 1)
+    width = base + 2 * torch.floor(delta.abs() / beta).long()
+    shift = torch.trunc(delta / beta).long()
     return width, shift
 
 
@@ -109,18 +117,22 @@ def adaptive_spatial_smoothing(
     candidates: torch.Tensor,
     beta: float,
     query_valid: torch.Tensor | None = None,
+    base: int = 1,
 ) -> torch.Tensor:
     """Adaptive window-based spatial smoothing (AWS, Eq. 10–13) of ``smoothed`` ``(batch, heads, L)``.
+
+    ``base`` is the window width when nothing drifts (see :func:`adaptive_window`).
 
     ``D_front``/``D_rear`` (Eq. 10) average, over the real queries of the front/rear half of the window,
     each query's mean top-``k`` index of the *unsmoothed* ``indicator`` ``I_t`` (``2/(B·S_w) Σ_t Σ_B``:
     top-B per query, then the average). A window with fewer than two queries, or a half without a real
-    query, has no ΔD: the scores are returned unchanged.
+    query, has no ΔD: the scores get the centred ``base`` window.
     """
     w = indicator.shape[2]
     half = w // 2
     if half == 0:
-        return smoothed
+        plain = torch.full(smoothed.shape[:2], base, dtype=torch.long, device=smoothed.device)
+        return shifted_window_mean(smoothed, plain, torch.zeros_like(plain))
     per_query = top_index_mean(indicator, k, candidates)  # (b, h, w)
     weight = torch.ones(indicator.shape[0], w, dtype=per_query.dtype, device=per_query.device)
     if query_valid is not None:
@@ -129,8 +141,8 @@ def adaptive_spatial_smoothing(
     front_w, rear_w = weight[..., :half], weight[..., half:]
     d_front = (per_query[..., :half] * front_w).sum(-1) / front_w.sum(-1).clamp(min=1.0)
     d_rear = (per_query[..., half:] * rear_w).sum(-1) / rear_w.sum(-1).clamp(min=1.0)
-    width, shift = adaptive_window(d_front, d_rear, beta)
+    width, shift = adaptive_window(d_front, d_rear, beta, base)
     defined = (front_w.sum(-1) > 0) & (rear_w.sum(-1) > 0)
-    width = torch.where(defined, width, torch.ones_like(width))
+    width = torch.where(defined, width, torch.full_like(width, base))
     shift = torch.where(defined, shift, torch.zeros_like(shift))
     return shifted_window_mean(smoothed, width, shift)
