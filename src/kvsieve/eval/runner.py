@@ -55,11 +55,15 @@ def cell_key(cell: Cell) -> CellKey:
 
 
 def expand_cells(config: SweepConfig) -> list[Cell]:
-    """Every cell of the sweep: per task, length and sample, the full cache then each policy × budget."""
+    """Every cell of the sweep: per task sample, the full cache then each policy × budget.
+
+    Sample-major (sample 0 of every length and task, then sample 1...), so a sweep stopped part-way
+    has every task at fewer samples rather than some tasks at none.
+    """
     cells = []
-    for task in config.tasks:
+    for sample in range(config.samples):
         for length in config.lengths:
-            for sample in range(config.samples):
+            for task in config.tasks:
                 cells.append(Cell(task, FULL, (), None, length, sample, config.seed))
                 for spec in config.policies:
                     for budget in config.budgets:
