@@ -99,8 +99,13 @@ def test_outputs_are_well_formed(tmp_path: Path) -> None:
     assert full["budget"] == "" and float(full["logprob_gap"]) == 0.0
     markdown = (out / "summary.md").read_text()
     assert "## niah_single_1" in markdown and "## vt" in markdown
-    table = [line for line in markdown.splitlines() if line.startswith("| 512 | h2o(schedule=decode) | 64 |")]
-    assert len(table) == 2 and table[0].count("|") == markdown.splitlines()[6].count("|")
+    lines = markdown.splitlines()
+    header = lines[lines.index("## niah_single_1") + 2]
+    table = [line for line in lines if line.startswith("| 512 | h2o(schedule=decode) | 64 |")]
+    assert len(table) == 3 and table[-1].count("|") == header.count("|")  # suite row + one per task
+    # Suite average: both tasks' samples pooled (scores 1, 0, 1, 0 → 0.5, SE √(1/3)/2).
+    assert "## Suite average (all tasks but perplexity)" in markdown
+    assert "| 512 | snapkv | 32 | 2 | 4 | 0.500 ± 0.289 | 2.00 ± 0.00 | 0.100 ± 0.000 | 6.2% |" in markdown
     assert json.loads((out / "sweep.json").read_text())["policies"][1] == {"name": "h2o", "schedule": "decode"}
 
 

@@ -5,6 +5,11 @@ Every row carries the full cache's value of the same (task, length) beside its o
 reference row. The standard error is the sample standard deviation over √n (blank for n < 2).
 Per-turn scores of multi-turn records (a list field whose name contains ``turn``) are averaged turn by
 turn into ``<field>_<turn>`` columns.
+
+``summary.md`` opens with the suite average: per (length, policy, budget), the mean over every sample
+of every task but perplexity (each sample counts once, so a task with more samples weighs more),
+with its standard error over those samples and the number of tasks — the figure that tells whether a
+difference between policies is larger than the sampling noise.
 """
 
 from __future__ import annotations
@@ -93,6 +98,47 @@ def summarize(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+SUITE_METRICS = ("score", "logprob_gap", "kl_full_compressed", "kv_ratio")
+
+
+def suite_rows(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Mean ± SE over all samples of all non-perplexity tasks, per (length, policy, params, budget)."""
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
+    for rec in records:
+        if rec.get("ppl") is not None:
+            continue
+        groups[(int(rec["length"]), rec["policy"], params_key(rec.get("params")), rec.get("budget"))].append(rec)
+    rows = []
+    for (length, policy, _, budget), recs in groups.items():
+        row: dict[str, Any] = {
+            "length": length, "policy": policy, "label": label_of(policy, recs[0].get("params") or {}),
+            "budget": budget, "samples": len(recs), "tasks": len({r["task"] for r in recs}),
+        }
+        for metric in SUITE_METRICS:
+            values = [v for v in (metric_value(r, metric) for r in recs) if v is not None]
+            row[metric], row[f"{metric}_se"] = mean_se(values)
+        rows.append(row)
+    rows.sort(key=lambda r: (r["length"], r["policy"] != FULL, r["label"], r["budget"] or 0))
+    return rows
+
+
+def suite_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The suite-average table (empty when there is nothing to average)."""
+    if not rows:
+        return []
+    head = ["length", "policy", "budget", "tasks", "n", "score", "gap", "KL", "KV held"]
+    title = "## Suite average (all tasks but perplexity)"
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            str(r["length"]), r["label"], "–" if r["budget"] is None else str(r["budget"]), str(r["tasks"]),
+            str(r["samples"]), _fmt(r["score"], r["score_se"]), _fmt(r["logprob_gap"], r["logprob_gap_se"], 2),
+            _fmt(r["kl_full_compressed"], r["kl_full_compressed_se"]),
+            "–" if r["kv_ratio"] is None else f"{100 * r['kv_ratio']:.1f}%",
+        ]) + " |")
+    return [*lines, ""]
+
+
 def summary_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """CSV column order: group fields, then each metric with its SE and full-cache value."""
     columns = list(GROUP_FIELDS)
@@ -121,9 +167,10 @@ def _fmt(value: float | None, se: float | None = None, digits: int = 3) -> str:
     return f"{text} ± {se:.{digits}f}" if se is not None else text
 
 
-def to_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One table per task; ``±`` gives the standard error, ``full`` columns the full cache's value."""
+def to_markdown(rows: Sequence[Mapping[str, Any]], suite: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The suite average, then one table per task; ``±`` gives the standard error, ``full`` the full cache's value."""
     lines = ["# Sweep summary", "", "Mean ± standard error over samples; `full` = the full cache's value.", ""]
+    lines += suite_markdown(suite)
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
         perplexity = any(r.get("ppl") is not None for r in task_rows)
@@ -156,7 +203,8 @@ def write_summary(records: Iterable[Mapping[str, Any]], out_dir: str | Path) -> 
     """Write ``summary.csv`` and ``summary.md`` into ``out_dir``; returns the rows."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    records = list(records)
     rows = summarize(records)
     write_csv(rows, out / "summary.csv")
-    (out / "summary.md").write_text(to_markdown(rows), encoding="utf-8")
+    (out / "summary.md").write_text(to_markdown(rows, suite_rows(records)), encoding="utf-8")
     return rows
