@@ -39,8 +39,8 @@ def _grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> 
     batch, q_heads, q_len, dim = query.shape
     kv_heads = keys.shape[1]
     groups = q_heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, groups * q_len, dim).float()
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scaling
+    grouped = query.reshape(batch, kv_heads, groups * q_len, dim).float() * scaling  # scale the small side
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2))
     return logits.view(batch, kv_heads, groups, q_len, keys.shape[2])
 
 
@@ -57,8 +57,10 @@ def attention_rows(
     """
     batch, q_heads, q_len, _ = query.shape
     logits = _grouped_logits(query, keys, scaling)
-    logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if not bool(mask.any(dim=-1).all()):  # a row with no visible key is NaN after softmax
+        probs = torch.nan_to_num(probs, nan=0.0)
     return probs.view(batch, q_heads, q_len, keys.shape[2])
 
 
@@ -71,14 +73,21 @@ def column_sums(
 ) -> torch.Tensor:
     """``Σ_t w_t · A[t, j]`` over all queries ``t``, shape ``(batch, q_heads, n)``, computed blockwise.
 
-    ``query_weight`` ``(batch, q)`` zeroes padding queries (None: all weigh 1).
+    ``query_weight`` ``(batch, q)`` zeroes padding queries (None: all weigh 1). Each block of queries
+    only reads the keys up to the last one any of its queries can see (under a causal prefill, about
+    half the work); the keys past it would only add exact zeros.
     """
     q_len = query.shape[2]
     total = torch.zeros(query.shape[0], query.shape[1], keys.shape[2], dtype=torch.float32, device=query.device)
     for lo in range(0, q_len, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q_len)
-        rows = attention_rows(query[:, :, lo:hi], keys, mask[:, :, lo:hi], scaling)
+        block_mask = mask[:, :, lo:hi]
+        seen = block_mask.flatten(0, -2).any(dim=0).nonzero()
+        if seen.numel() == 0:
+            continue
+        limit = int(seen[-1]) + 1
+        rows = attention_rows(query[:, :, lo:hi], keys[:, :, :limit], block_mask[..., :limit], scaling)
         if query_weight is not None:
             rows = rows * query_weight[:, None, lo:hi, None].to(rows.dtype)
-        total += rows.sum(dim=2)
+        total[..., :limit] += rows.sum(dim=2)
     return total
