@@ -61,7 +61,7 @@ def test_every_figure_kind_is_written(tmp_path: Path) -> None:
     names = {p.name for p in paths}
     expected = {
         "budget_niah_single_1", "budget_passkey", "budget_perplexity",
-        "needle_passkey_score", "needle_passkey_logprob", "perplexity_perplexity",
+        "needle_passkey_score", "needle_passkey_logprob", "perplexity_perplexity", "suite_average",
     }
     assert names == {f"{stem}.png" for stem in expected}
     _check(paths)

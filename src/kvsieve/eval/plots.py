@@ -1,5 +1,7 @@
 """``kvsieve plot``: figures from a sweep's ``records.jsonl`` (matplotlib, Agg backend, PNG and SVG).
 
+* ``suite_average`` (two or more tasks): mean score, log-prob gap and KL to the full cache over every
+  sample of every non-perplexity task vs budget, per length and policy (``summary.md``'s first table).
 * ``budget_<task>``: score and answer log-likelihood vs budget, one column per context length, one line
   per policy (± standard error), the full cache as a dashed horizontal line. Exact match collapses
   under compression on a 135M model; the log-likelihood of the true answer still separates policies.
@@ -25,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from kvsieve.eval.summary import mean_se, metric_value, summarize
+from kvsieve.eval.summary import mean_se, metric_value, suite_rows, summarize
 from kvsieve.eval.sweep_config import FULL, label_of
 
 FORMATS = ("png", "svg")
@@ -52,6 +54,47 @@ def _is_perplexity(records: Sequence[Record]) -> bool:
     return any(metric_value(r, "ppl") is not None for r in records)
 
 
+def _budget_figure(rows: Sequence[Record], metrics: Sequence[tuple[str, str]], title: str,
+                   colors: Mapping[str, Any]) -> Figure:
+    """Metric rows × one column per length; one line per policy label (± SE), full cache dashed."""
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(len(metrics), len(lengths), figsize=(4.2 * len(lengths) + 1.2, 3.2 * len(metrics)),
+                             squeeze=False)
+    for col, length in enumerate(lengths):
+        here = [r for r in rows if r["length"] == length]
+        budgets = sorted({r["budget"] for r in here if r["budget"] is not None})
+        for row_i, (metric, ylabel) in enumerate(metrics):
+            ax = axes[row_i][col]
+            full = next((r for r in here if r["policy"] == FULL), None)
+            if full is not None and full.get(metric) is not None:
+                ax.axhline(full[metric], color="black", linestyle="--", linewidth=1.2, label="full cache")
+            for label in dict.fromkeys(r["label"] for r in here if r["policy"] != FULL):
+                pts = sorted((r for r in here if r["label"] == label and r.get(metric) is not None),
+                             key=lambda r: r["budget"])
+                if pts:
+                    ax.errorbar([p["budget"] for p in pts], [p[metric] for p in pts],
+                                yerr=[p.get(f"{metric}_se") or 0.0 for p in pts], marker="o", markersize=4,
+                                capsize=2, color=colors[label], label=label)
+            if budgets:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(budgets, [str(b) for b in budgets])
+                ax.minorticks_off()
+            if metric == "score":
+                ax.set_ylim(-0.05, 1.05)
+            ax.grid(alpha=0.3)
+            if row_i == 0:
+                ax.set_title(f"{length} tokens")
+            if row_i == len(metrics) - 1:
+                ax.set_xlabel("budget (entries per KV head)")
+            if col == 0:
+                ax.set_ylabel(ylabel)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 def plot_budget_curves(records: Sequence[Record], out: Path, formats: Sequence[str] = FORMATS) -> list[Path]:
     """``budget_<task>``: two metric rows × one column per length, per task."""
     rows = summarize(records)
@@ -62,42 +105,22 @@ def plot_budget_curves(records: Sequence[Record], out: Path, formats: Sequence[s
         metrics = (("ppl", "perplexity"), ("nll", "NLL (nats/token)")) if _is_perplexity(
             [r for r in records if r["task"] == task]) else (("score", "score (string match)"),
                                                              ("answer_logprob", "answer log-likelihood"))
-        lengths = sorted({r["length"] for r in task_rows})
-        fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths) + 1.2, 6.4), squeeze=False)
-        for col, length in enumerate(lengths):
-            here = [r for r in task_rows if r["length"] == length]
-            budgets = sorted({r["budget"] for r in here if r["budget"] is not None})
-            for row_i, (metric, ylabel) in enumerate(metrics):
-                ax = axes[row_i][col]
-                full = next((r for r in here if r["policy"] == FULL), None)
-                if full is not None and full[metric] is not None:
-                    ax.axhline(full[metric], color="black", linestyle="--", linewidth=1.2, label="full cache")
-                for label in dict.fromkeys(r["label"] for r in here if r["policy"] != FULL):
-                    pts = sorted((r for r in here if r["label"] == label and r[metric] is not None),
-                                 key=lambda r: r["budget"])
-                    if pts:
-                        ax.errorbar([p["budget"] for p in pts], [p[metric] for p in pts],
-                                    yerr=[p[f"{metric}_se"] or 0.0 for p in pts], marker="o", markersize=4,
-                                    capsize=2, color=colors[label], label=label)
-                if budgets:
-                    ax.set_xscale("log", base=2)
-                    ax.set_xticks(budgets, [str(b) for b in budgets])
-                    ax.minorticks_off()
-                if metric == "score":
-                    ax.set_ylim(-0.05, 1.05)
-                ax.grid(alpha=0.3)
-                if row_i == 0:
-                    ax.set_title(f"{length} tokens")
-                if row_i == len(metrics) - 1:
-                    ax.set_xlabel("budget (entries per KV head)")
-                if col == 0:
-                    ax.set_ylabel(ylabel)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-        fig.suptitle(f"{task}: metric vs KV budget")
-        fig.tight_layout()
+        fig = _budget_figure(task_rows, metrics, f"{task}: metric vs KV budget", colors)
         paths += _save(fig, out, f"budget_{task}", formats)
     return paths
+
+
+def plot_suite_average(records: Sequence[Record], out: Path, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """``suite_average``: every non-perplexity task pooled (as ``summary.md``'s first table); ≥ 2 tasks."""
+    rows = suite_rows(records)
+    if len({r["task"] for r in records if metric_value(r, "ppl") is None}) < 2:
+        return []
+    colors = _colors(r["label"] for r in rows if r["policy"] != FULL)
+    metrics = (("score", "mean score (string match)"), ("logprob_gap", "log-prob gap to full (nats)"),
+               ("kl_full_compressed", "KL(full ‖ compressed)"))
+    tasks = len({r["task"] for r in records if metric_value(r, "ppl") is None})
+    fig = _budget_figure(rows, metrics, f"suite average over {tasks} tasks vs KV budget", colors)
+    return _save(fig, out, "suite_average", formats)
 
 
 def _heat_grid(recs: Sequence[Record], metric: str, lengths: list[int], depths: list[float]) -> list[list[float]]:
@@ -255,6 +278,7 @@ def plot_records(records: Sequence[Record], out_dir: str | Path, formats: Sequen
     if not records:
         raise ValueError("no records to plot")
     return [
+        *plot_suite_average(records, out, formats),
         *plot_budget_curves(records, out, formats),
         *plot_needle_heatmaps(records, out, formats),
         *plot_perplexity(records, out, formats),
