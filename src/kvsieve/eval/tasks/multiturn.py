@@ -13,6 +13,12 @@ the first question did not ask about fails the later turns.
 ``meta["turn_answer_ids"][t]`` the canonical answer of turn ``t`` as their continuation, and
 ``references[t]`` its value. Each turn is scored with ``string_match_all`` on its own answer and
 generation of a turn stops at the answer, at a newline, or after ``max_new_tokens``.
+
+On SmolLM2-135M at 1k tokens the full cache answers turn 1 every time but later turns only about half
+the time: the wrong answers are *other needles'* values (4 samples checked), while the teacher-forced
+log-likelihood of the right value stays between −0.4 and −2.4 nats per turn. That is the small model's
+retrieval limit, not a format problem, so compare policies there by the per-turn log-likelihoods
+(``turn_answer_logprobs`` against ``turn_answer_logprobs_full``) and KL.
 """
 
 from __future__ import annotations
