@@ -6,6 +6,7 @@ model instance to the ``"kvsieve"`` attention (plain SDPA when no kvsieve cache 
 
 from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
+from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
 
@@ -29,6 +30,7 @@ __all__ = [
     "list_policies",
     "load_default_model",
     "make_policy",
+    "prefill_shared",
     "prepare_model",
     "register_attention",
 ]
