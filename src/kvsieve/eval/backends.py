@@ -111,10 +111,11 @@ def _record(cell: Cell, record: dict[str, Any], elapsed: float) -> dict[str, Any
 
 
 def execute_group(job: Job, cells: Sequence[Cell]) -> list[Outcome]:
-    """Run the cells of one task sample in this process; never raises.
+    """Run the cells of one task sample in this process; cell failures come back as outcomes.
 
     With the default cell function they are evaluated together (one sample, one shared prompt
-    forward); if that fails, each cell is run on its own so a bad cell only fails itself.
+    forward); if that fails, each cell is run on its own so a bad cell only fails itself. Cells of
+    different task samples are a caller error (``ValueError``).
     """
     if job.cell_fn != DEFAULT_CELL_FN or len(cells) < 2:
         return [execute_cell(job, cell) for cell in cells]
