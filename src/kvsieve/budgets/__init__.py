@@ -1,4 +1,4 @@
-"""Budget allocators: how many entries each (layer, KV head) keeps."""
+"""Budget arithmetic shared by allocators (the allocators themselves are in :mod:`kvsieve.parts.allocators`)."""
 
 from kvsieve.budgets.adaptive import adaptive_counts
 

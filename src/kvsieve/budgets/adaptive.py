@@ -18,11 +18,12 @@ def adaptive_counts(
     Args:
         scores: ``(batch, heads, L)``, higher = keep, ``-inf`` on padding slots.
         total: ``(batch,)`` entries the layer may hold per batch item (``heads × budget``).
-        floor: ``(batch,)`` minimum per head.
+        floor: ``(batch,)`` or ``(batch, heads)`` minimum per head.
         lengths: ``(batch, heads)`` entries held now (counts never exceed them).
     """
     batch, heads, length = scores.shape
-    base = torch.minimum(floor.view(batch, 1).expand(batch, heads), lengths)
+    floor = floor.view(batch, 1) if floor.dim() == 1 else floor
+    base = torch.minimum(floor.expand(batch, heads), lengths)
     ordered = torch.sort(scores.float(), dim=-1, descending=True).values
     rank = torch.arange(length, device=scores.device).view(1, 1, -1)
     candidates = ordered.masked_fill(rank < base.unsqueeze(-1), float("-inf")).reshape(batch, heads * length)

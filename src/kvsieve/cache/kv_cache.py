@@ -12,25 +12,23 @@ positions (``kept_positions``), per-head counts (``head_lengths``) and bytes (``
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvsieve.attention.cached import attend_cached, observe_first_forward
 from kvsieve.attention.forward import LAYER_TAG
 from kvsieve.attention.register import prepare_model
-from kvsieve.attention.step import LayerStep
-from kvsieve.cache.store import RaggedLayerStore
-from kvsieve.compaction.evict import top_entries
+from kvsieve.cache.store import LayerStore
+from kvsieve.engine.engine import Engine
+from kvsieve.engine.layer_inputs import install_layer_input_hooks
 from kvsieve.models.architectures import ModelInfo, model_info
-from kvsieve.policies.base import Policy
-from kvsieve.policies.registry import make_policy
+from kvsieve.policies.policy import Policy
+from kvsieve.policies.presets import make_policy
 
 
 class KVLayer(CacheLayerMixin):
-    """One decoder layer's entries; the kvsieve attention function does the work (see ``attend``)."""
+    """One decoder layer's entries. It only stores: the cache's :class:`~kvsieve.engine.engine.Engine` does the work."""
 
     is_compileable = False
     is_croppable = False
@@ -42,16 +40,20 @@ class KVLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.left_alone = cache.info.left_alone[layer_idx]
-        self.store: RaggedLayerStore | None = None
+        self.store: LayerStore | None = None
         self.seen = 0
         self.forwards = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._inputs: torch.Tensor | None = None
         #: Same-index layers of other caches sharing this forward (set only by ``prefill_shared``).
         self.followers: list[KVLayer] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
-        self.store = RaggedLayerStore(batch, heads, dim, key_states.dtype, key_states.device)
+        if self.cache.policy.expand_gqa:
+            heads = self.cache.info.num_heads
+        self.store = LayerStore(batch, heads, dim, key_states.dtype, key_states.device)
+        self.cache.engine.init_store(self.store, managed=not self.left_alone)
         self.is_initialized = True
 
     def update(
@@ -93,6 +95,16 @@ class KVLayer(CacheLayerMixin):
             delattr(keys, LAYER_TAG)
         return keys, values
 
+    def receive_layer_inputs(self, hidden_states: torch.Tensor) -> None:
+        """Attention-input hidden states of this forward (for scorers that declare ``layer_inputs``)."""
+        self._inputs = hidden_states
+        for follower in self.followers:
+            follower._inputs = hidden_states
+
+    def take_layer_inputs(self) -> torch.Tensor | None:
+        inputs, self._inputs = self._inputs, None
+        return inputs
+
     def attend(
         self,
         module: torch.nn.Module,
@@ -101,10 +113,11 @@ class KVLayer(CacheLayerMixin):
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        output = attend_cached(self, module, query, attention_mask, scaling, sliding_window)
+        """Called by the registered attention function with this layer's tagged keys: the engine's work."""
+        output = self.cache.engine.attend(self, module, query, attention_mask, scaling, sliding_window)
         memo: dict[object, torch.Tensor] = {}  # statistics of the same entries, computed once for all
         for follower in self.followers:
-            observe_first_forward(follower, module, query, attention_mask, scaling, sliding_window, memo)
+            follower.cache.engine.observe_only(follower, module, query, attention_mask, scaling, sliding_window, memo)
         return output
 
     def get_seq_length(self) -> int:
@@ -118,7 +131,7 @@ class KVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.store, self.seen, self.forwards, self._pending = None, 0, 0, None
+        self.store, self.seen, self.forwards, self._pending, self._inputs = None, 0, 0, None, None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -163,48 +176,35 @@ class KVCache(Cache):
         info = model_info(model)
         self.policy: Policy = resolved
         self.info: ModelInfo = info
-        self._forward_compressed = False
         self.model_config = model.config
+        self.engine = Engine(resolved, info)
         layers = [KVLayer(self, i, info.sliding_windows[i]) for i in range(info.num_layers)]
         super().__init__(layers=layers)
-        self.compactions = 0
-        self._noop_warned = False
+        self.engine.managed_stores = lambda: [self.layers[i].store for i in info.managed_layers]
         prepare_model(model)
+        if self.engine.wants_layer_inputs():
+            install_layer_input_hooks(model)
 
-    # ------------------------------------------------------------------ compaction
-    def compact(self, layer: KVLayer, step: LayerStep) -> bool:
-        """Score, allocate and keep the top entries of every head of ``layer``; False if all are kept."""
-        scores = self.policy.score(step)
-        counts = self.policy.allocate(scores, step)
-        if bool((counts >= step.lengths()).all()):
-            return False
-        assert layer.store is not None
-        layer.store.keep(top_entries(scores, counts), counts.cpu())
-        self.compactions += 1
-        return True
+    @property
+    def compactions(self) -> int:
+        """Compactions executed so far (one per layer and firing)."""
+        return self.engine.compactions
 
-    def note_forward(self, layer: KVLayer, step: LayerStep, compressed: bool) -> None:
-        """Warn once when a whole prompt forward compressed nothing (budget ≥ prompt length)."""
-        managed = self.info.managed_layers
-        if step.is_decoding or not managed or not self.policy.evicts or self.policy.schedule != "prefill":
-            return
-        if layer.layer_idx == managed[0]:
-            self._forward_compressed = False
-        self._forward_compressed |= compressed
-        if layer.layer_idx == managed[-1] and not self._forward_compressed and not self._noop_warned:
-            self._noop_warned = True
-            warnings.warn(
-                f"kvsieve: {self.policy} keeps every entry (budget ≥ prompt length {layer.seen}); "
-                "nothing was compressed",
-                stacklevel=2,
-            )
+    def receive_layer_inputs(self, layer_idx: int | None, hidden_states: torch.Tensor) -> None:
+        """Entry point of the layer-input hook (see :mod:`kvsieve.engine.layer_inputs`)."""
+        if layer_idx is not None and self.engine.wants_layer_inputs() and 0 <= layer_idx < len(self.layers):
+            self.layers[layer_idx].receive_layer_inputs(hidden_states)
+
+    def reset(self) -> None:
+        super().reset()
+        self.engine.reset()
 
     # ------------------------------------------------------------------ inspection
     def head_lengths(self) -> torch.Tensor:
         """Entries held per (layer, batch, KV head), shape ``(layers, batch, kv_heads)``."""
         return torch.stack([self._store(i).lengths() for i in range(len(self.layers))])
 
-    def _segment(self, layer_idx: int, batch_idx: int, head: int) -> tuple[RaggedLayerStore, slice]:
+    def _segment(self, layer_idx: int, batch_idx: int, head: int) -> tuple[LayerStore, slice]:
         store = self._store(layer_idx)
         if not 0 <= batch_idx < store.batch:
             raise IndexError(f"batch_idx must be in [0, {store.batch - 1}]; got {batch_idx}")
@@ -250,14 +250,9 @@ class KVCache(Cache):
 
     def kv_nbytes(self) -> int:
         """Bytes of keys and values actually held (what a full cache of the same length would hold)."""
-        total = 0
-        for layer in self.layers:
-            if layer.store is not None:
-                per = (layer.store.keys.element_size() + layer.store.values.element_size()) * layer.store.head_dim
-                total += int(layer.store.length.sum()) * per
-        return total
+        return sum(layer.store.kv_nbytes() for layer in self.layers if layer.store is not None)
 
-    def _store(self, layer_idx: int) -> RaggedLayerStore:
+    def _store(self, layer_idx: int) -> LayerStore:
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers) - 1}]; got {layer_idx}")
         store = self.layers[layer_idx].store

@@ -37,7 +37,7 @@ def check_shareable(model: torch.nn.Module, caches: Sequence[KVCache]) -> None:
         if cache.get_seq_length() != 0:
             seen = cache.get_seq_length()
             raise ValueError(f"caches[{i}] is not empty (it has seen {seen} tokens); use fresh caches")
-        if cache.policy.schedule == "blockwise":
+        if cache.policy.schedule.name == "blockwise":
             raise ValueError(
                 f"caches[{i}] ({cache.policy.name}) uses the 'blockwise' schedule, whose prompt outputs depend on "
                 "its evictions; prefill it on its own"

@@ -1,4 +1,4 @@
-"""Compaction: turn scores and per-head counts into the entries a cache keeps."""
+"""Compaction arithmetic: turn scores and per-head counts into the entries a head keeps."""
 
 from kvsieve.compaction.evict import top_entries
 

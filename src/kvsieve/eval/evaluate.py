@@ -181,7 +181,7 @@ def evaluate_cells(
     runners = {"generate": _generate_cell, "multiturn": _multiturn_cell, "perplexity": _perplexity_cell}
     records: list[dict[str, Any] | None] = [None] * len(prepared)
     with torch.inference_mode():
-        shared = [i for i, (_, probe, _) in enumerate(prepared) if probe.policy.schedule != "blockwise"]
+        shared = [i for i, (_, probe, _) in enumerate(prepared) if probe.policy.schedule.name != "blockwise"]
         if spec.kind != "perplexity" and len(shared) > 1:
             t0 = time.perf_counter()
             out = prefill_shared(model, _ids(model, sample.prompt_ids), [prepared[i][1] for i in shared],

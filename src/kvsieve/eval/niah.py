@@ -307,7 +307,7 @@ def _shared_prefill(
 ) -> dict[str, tuple[Cache, torch.Tensor, float]]:
     """Fill every shareable ``KVCache`` of ``factories`` from one prompt forward (none if fewer than two)."""
     caches = {name: make() for name, make in factories.items()}
-    names = [n for n, c in caches.items() if isinstance(c, KVCache) and c.policy.schedule != "blockwise"]
+    names = [n for n, c in caches.items() if isinstance(c, KVCache) and c.policy.schedule.name != "blockwise"]
     if len(names) < 2:
         return {}
     ids = torch.tensor([list(sample.prompt_ids)], dtype=torch.long, device=model.device)

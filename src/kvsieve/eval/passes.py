@@ -15,7 +15,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from kvsieve.eval.metrics import coarse_kl_per_position, top_logprobs
-from kvsieve.policies.base import Policy
+from kvsieve.policies.policy import Policy
 
 
 def forward_logits(model: torch.nn.Module, ids: Sequence[int], cache: object, keep: int = 1) -> torch.Tensor:
@@ -29,12 +29,11 @@ def needs_stepwise(policy: Policy) -> bool:
     """Whether teacher forcing must feed one token per forward to see what decoding sees.
 
     True for schedules that evict during decoding (``decode``, ``blockwise``) and for policies that
-    act on single-token forwards (``decode_attention``, e.g. ``exact_topk``). Under the ``prefill``
+    act on single-token forwards (a selector, e.g. ``exact_topk``). Under the ``prefill``
     schedule a multi-token forward computes its outputs before compressing, so feeding the answer in
     one forward gives the same predictions as decoding it.
     """
-    acts_on_decode = type(policy).decode_attention is not Policy.decode_attention
-    return (policy.evicts and policy.schedule in ("decode", "blockwise")) or acts_on_decode
+    return (policy.evicts and policy.schedule.acts_while_decoding) or policy.selector is not None
 
 
 def teacher_force(

@@ -1,14 +1,7 @@
-"""Named KV-cache policies (one file each) and their registry."""
+"""KV-cache policies: compositions of parts (:class:`Policy`) and the named presets."""
 
-from kvsieve.policies.base import Policy, PolicyConfigError
-from kvsieve.policies.registry import UnknownPolicyError, list_policies, make_policy, policy_class, register
+from kvsieve.parts.base import PolicyConfigError
+from kvsieve.policies.policy import Policy
+from kvsieve.policies.presets import PRESETS, Preset, UnknownPolicyError, list_policies, make_policy
 
-__all__ = [
-    "Policy",
-    "PolicyConfigError",
-    "UnknownPolicyError",
-    "list_policies",
-    "make_policy",
-    "policy_class",
-    "register",
-]
+__all__ = ["PRESETS", "Policy", "PolicyConfigError", "Preset", "UnknownPolicyError", "list_policies", "make_policy"]

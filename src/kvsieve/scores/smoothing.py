@@ -71,9 +71,14 @@ def top_index_mean(indicator: torch.Tensor, k: torch.Tensor, candidates: torch.T
 
 
 def adaptive_window(
-    d_front: torch.Tensor, d_rear: torch.Tensor, beta: float, base: int = 1
+    d_front: torch.Tensor, d_rear: torch.Tensor, beta: float, base: int = 1, rule: str = "max"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 11–12 with a base kernel: width ``W_s = base + 2⌊|ΔD|/β⌋`` and shift ``γ`` (long tensors).
+    """Eq. 11–12 with a base kernel: width and shift ``γ`` (long tensors).
+
+    ``rule="max"`` (default; the authors' code): ``W_s = max(base, 2⌊|ΔD|/β⌋ + 1)``, Eq. 11 as printed
+    but never narrower than the base kernel. ``rule="sum"`` (kvsieve ≤ 0.1): ``W_s = base + 2⌊|ΔD|/β⌋``.
+    The two agree whenever ``|ΔD| < β`` (every prompt shorter than β = 2000 tokens) and the ``max`` rule
+    is narrower above.
 
     ``base = 1`` is Eq. 11 as printed. kvsieve's ReST-KV passes its ``kernel_size`` (App. B: ReST-KV
     uses SnapKV's k = 5, 21 on RULER), reading Eq. 11's ``+1`` as the base kernel the drift widens:
@@ -86,7 +91,13 @@ def adaptive_window(
     — ``γ = 1`` for ``ΔD = 0``, shifting the window when nothing moved. kvsieve keeps it centred there.
     """
     delta = d_front - d_rear
-    width = base + 2 * torch.floor(delta.abs() / beta).long()
+    drift = 2 * torch.floor(delta.abs() / beta).long()
+    if rule == "max":
+        width = torch.clamp(drift + 1, min=base)
+    elif rule == "sum":
+        width = base + drift
+    else:
+        raise ValueError(f"rule must be 'max' or 'sum'; got {rule!r}")
     shift = torch.trunc(delta / beta).long()
     return width, shift
 
@@ -118,6 +129,7 @@ def adaptive_spatial_smoothing(
     beta: float,
     query_valid: torch.Tensor | None = None,
     base: int = 1,
+    rule: str = "max",
 ) -> torch.Tensor:
     """Adaptive window-based spatial smoothing (AWS, Eq. 10–13) of ``smoothed`` ``(batch, heads, L)``.
 
@@ -141,7 +153,7 @@ def adaptive_spatial_smoothing(
     front_w, rear_w = weight[..., :half], weight[..., half:]
     d_front = (per_query[..., :half] * front_w).sum(-1) / front_w.sum(-1).clamp(min=1.0)
     d_rear = (per_query[..., half:] * rear_w).sum(-1) / rear_w.sum(-1).clamp(min=1.0)
-    width, shift = adaptive_window(d_front, d_rear, beta, base)
+    width, shift = adaptive_window(d_front, d_rear, beta, base, rule)
     defined = (front_w.sum(-1) > 0) & (rear_w.sum(-1) > 0)
     width = torch.where(defined, width, torch.full_like(width, base))
     shift = torch.where(defined, shift, torch.zeros_like(shift))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.attention.step import LayerStep
+from kvsieve.engine.step import LayerStep
 from kvsieve.scores.gqa import reduce_groups
 from kvsieve.scores.pooling import pool_scores
 
@@ -22,7 +22,7 @@ def window_scores(
     rows = step.window_rows(max(window, 1))
     summed = rows.sum(dim=2)
     first_window_position = step.query_positions[-rows.shape[2]]
-    in_window = (step.view.positions >= first_window_position).repeat_interleave(step.info.groups, dim=1)
+    in_window = (step.view.positions >= first_window_position).repeat_interleave(step.groups, dim=1)
     summed = summed.masked_fill(in_window, 0.0)
     pooled = pool_scores(summed, kernel_size, pooling)
-    return reduce_groups(pooled, step.info.num_kv_heads, reduce)
+    return reduce_groups(pooled, step.kv_heads, reduce)

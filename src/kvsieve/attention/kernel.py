@@ -1,0 +1,190 @@
+"""The one attention kernel: outputs for prefill, decoding and blockwise blocks, and statistics for scorers.
+
+Everything kvsieve attends with goes through here, with the same three optional inputs:
+
+* a **visibility** mask from stored absolute positions (``pos_k ≤ pos_q``, the sliding window, real
+  entries only) — stays right after eviction, unlike transformers' slot-indexed masks;
+* an additive **bias** per held entry (``(batch, kv_heads, L)``), e.g. ``log(count)`` of a merged
+  entry that stands for ``count`` tokens (EMS): with a bias the mask becomes a float mask;
+* a **subset** of entries per query head (``(batch, q_heads, k)`` indices), for decoding-time
+  selection (``exact_topk``; Quest, SparQ, HSA): only those entries are gathered and attended.
+
+Outputs use SDPA underneath (transformers' ``sdpa_attention_forward``, so GQA is handled as
+transformers does). Statistics (:func:`attention_rows`, :func:`column_sums`) compute explicit softmax
+rows in float32, only for the queries a scorer needs, blockwise, never an N×N matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+#: Queries per block when summing attention columns over many queries.
+QUERY_BLOCK = 256
+
+
+def visibility_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Boolean ``(batch, kv_heads, q, n)`` mask: key visible iff ``pos_k ≤ pos_q`` (and inside the window).
+
+    ``key_positions`` is ``(batch, kv_heads, n)``; ``key_valid`` marks real (non-padding) entries.
+    Positions are absolute slots in the token stream, so the mask stays right after eviction.
+    """
+    qp = query_positions.view(1, 1, -1, 1)
+    kp = key_positions.unsqueeze(-2)
+    mask = kp <= qp
+    if sliding_window is not None:
+        mask = mask & (qp - kp < sliding_window)
+    if key_valid is not None:
+        mask = mask & key_valid.unsqueeze(-2)
+    return mask
+
+
+def output_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    sliding_window: int | None,
+    groups: int,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    newest_query: bool = False,
+) -> torch.Tensor | None:
+    """The SDPA mask ``(batch, q_heads, q, n)`` for attending to held entries; None when all are visible.
+
+    ``newest_query``: a single decoding query at the newest position, which sees every held entry, so
+    only validity (and the sliding window) matter. A query that would see nothing (a padding query) sees
+    every real entry instead, so no row is empty (its output is discarded). With ``bias`` the mask is
+    float: ``bias`` where visible, ``-inf`` elsewhere.
+    """
+    if newest_query and key_valid is None and sliding_window is None:
+        if bias is None:
+            return None
+        return bias.unsqueeze(-2).to(dtype).repeat_interleave(groups, dim=1)
+    mask = visibility_mask(query_positions, key_positions, key_valid, sliding_window)
+    empty_row = ~mask.any(dim=-1, keepdim=True)
+    fallback = empty_row if key_valid is None else empty_row & key_valid.unsqueeze(-2)
+    mask = mask | fallback
+    if bias is not None:
+        mask = torch.where(mask, bias.unsqueeze(-2).to(dtype), torch.tensor(float("-inf"), dtype=dtype))
+    return mask.repeat_interleave(groups, dim=1)
+
+
+def attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    subset: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention output ``(batch, q, q_heads, d)`` of ``query`` over ``keys``/``values`` ``(batch, kv_heads, n, d)``.
+
+    Without ``subset``: SDPA with ``mask`` (from :func:`output_mask`). With ``subset`` ``(batch, q_heads, k)``
+    (single decoding query): each query head attends to its ``k`` entries only, gathered without
+    repeating the unselected ones; ``bias`` and ``key_valid`` (``(batch, kv_heads, n)``) apply to them.
+    """
+    if subset is None:
+        output, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)
+        return output
+    batch, q_heads, _, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    groups = q_heads // kv_heads
+    k = subset.shape[-1]
+    head_of = torch.arange(q_heads, device=query.device) // groups
+    base = (torch.arange(batch, device=query.device)[:, None] * kv_heads + head_of[None, :]) * length
+    flat = (base[..., None] + subset).reshape(-1)
+    sub_keys = keys.reshape(-1, dim).index_select(0, flat).view(batch, q_heads, k, dim)
+    sub_values = values.reshape(-1, dim).index_select(0, flat).view(batch, q_heads, k, dim)
+    sub_mask = None
+    if bias is not None or key_valid is not None:
+        sub_mask = torch.zeros(batch, q_heads, 1, k, dtype=query.dtype, device=query.device)
+        if bias is not None:
+            sub_mask = sub_mask + bias.reshape(-1).index_select(0, flat).view(batch, q_heads, 1, k).to(query.dtype)
+        if key_valid is not None:
+            valid = key_valid.reshape(-1).index_select(0, flat).view(batch, q_heads, 1, k)
+            sub_mask = sub_mask.masked_fill(~valid, float("-inf"))
+    # keys are already per query head: plain SDPA (transformers' wrapper would repeat them per group again)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, sub_keys, sub_values, attn_mask=sub_mask, scale=scaling
+    )
+    return output.transpose(1, 2).contiguous()
+
+
+def _grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``q·k`` logits ``(batch, kv_heads, groups, q, n)`` in float32 for GQA without repeating keys."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = q_heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, groups * q_len, dim).float() * scaling  # scale the small side
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2))
+    return logits.view(batch, kv_heads, groups, q_len, keys.shape[2])
+
+
+def attention_logits(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 logits ``(batch, kv_heads, groups, q, n)`` with the per-entry ``bias`` added."""
+    logits = _grouped_logits(query, keys, scaling)
+    if bias is not None:
+        logits = logits + bias.float()[:, :, None, None, :]
+    return logits
+
+
+def attention_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention ``(batch, q_heads, q, n)`` in float32 of ``query`` over ``keys``.
+
+    ``mask`` (broadcastable to ``(batch, kv_heads, q, n)``) comes from :func:`visibility_mask`.
+    Rows with no visible key (padding queries) are all zero.
+    """
+    batch, q_heads, q_len, _ = query.shape
+    logits = attention_logits(query, keys, scaling, bias)
+    logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if not bool(mask.any(dim=-1).all()):  # a row with no visible key is NaN after softmax
+        probs = torch.nan_to_num(probs, nan=0.0)
+    return probs.view(batch, q_heads, q_len, keys.shape[2])
+
+
+def column_sums(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    query_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Σ_t w_t · A[t, j]`` over all queries ``t``, shape ``(batch, q_heads, n)``, computed blockwise.
+
+    ``query_weight`` ``(batch, q)`` zeroes padding queries (None: all weigh 1). Each block of queries
+    only reads the keys up to the last one any of its queries can see (under a causal prefill, about
+    half the work); the keys past it would only add exact zeros.
+    """
+    q_len = query.shape[2]
+    total = torch.zeros(query.shape[0], query.shape[1], keys.shape[2], dtype=torch.float32, device=query.device)
+    for lo in range(0, q_len, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, q_len)
+        block_mask = mask[:, :, lo:hi]
+        seen = block_mask.flatten(0, -2).any(dim=0).nonzero()
+        if seen.numel() == 0:
+            continue
+        limit = int(seen[-1]) + 1
+        block_bias = None if bias is None else bias[..., :limit]
+        rows = attention_rows(query[:, :, lo:hi], keys[:, :, :limit], block_mask[..., :limit], scaling, block_bias)
+        if query_weight is not None:
+            rows = rows * query_weight[:, None, lo:hi, None].to(rows.dtype)
+        total[..., :limit] += rows.sum(dim=2)
+    return total

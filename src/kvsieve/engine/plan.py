@@ -1,0 +1,43 @@
+"""A compaction plan: what each head keeps and, for merging actions, where the rest goes.
+
+A plan is data, so making it (scores → allocator → action) and executing it (the action on the store)
+are separate, and a plan can be checked against a brute-force reference in tests. Segments are the
+store's (batch item, KV head) pairs, ``s = b·heads + h``; indices are local to a segment's held entries
+in position order (the dense view's last axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Plan:
+    """Per segment: entries kept, and optionally entries merged into kept ones.
+
+    Attributes:
+        keep: ``(segments, K)`` local indices of the kept entries, ascending; entries past ``counts[s]``
+            are filler and ignored.
+        counts: ``(segments,)`` entries kept (host ``long`` tensor).
+        merge_source: ``(segments, M)`` local indices of entries folded into a kept one (``-1``: none).
+        merge_target: ``(segments, M)`` rank in ``keep`` (``0 ≤ r < counts[s]``) of the receiving entry.
+        merge_weight: ``(segments, M)`` weight of each merged entry (e.g. its attention score).
+        keep_weight: ``(segments, K)`` weight of each kept entry itself in a merge (None: its token count).
+    """
+
+    keep: torch.Tensor
+    counts: torch.Tensor
+    merge_source: torch.Tensor | None = None
+    merge_target: torch.Tensor | None = None
+    merge_weight: torch.Tensor | None = None
+    keep_weight: torch.Tensor | None = None
+
+    @property
+    def merges(self) -> bool:
+        return self.merge_source is not None and bool((self.merge_source >= 0).any())
+
+    def kept_local(self, segment: int) -> torch.Tensor:
+        """Local indices one segment keeps (for inspection and tests)."""
+        return self.keep[segment, : int(self.counts[segment])]

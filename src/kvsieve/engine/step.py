@@ -1,0 +1,188 @@
+"""What one attention layer saw in one forward call: the statistics scorers read.
+
+Statistics are computed lazily and memoised, only for the rows a scorer asks for (window queries,
+the last query), never as an N×N matrix. A scorer declares the statistics it needs (``Scorer.needs``);
+a :class:`LayerStep` built for it refuses the others, so the declaration stays true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsieve.attention.kernel import attention_rows, column_sums, visibility_mask
+from kvsieve.cache.store import DenseView, LayerStore
+from kvsieve.models.architectures import ModelInfo
+
+#: Statistic names a scorer may declare in ``Scorer.needs``.
+WINDOW_ROWS = "window_rows"  #: softmax rows of the last ``w`` queries
+WINDOW_OUTPUTS = "window_outputs"  #: their per-head outputs ``o_t`` before ``W_O``
+COLUMN_SUMS = "column_sums"  #: ``Σ_t A[t, j]`` over every query of the forward
+OUTPUT_PROJECTION = "output_projection"  #: the layer's ``W_O`` weight
+LAYER_INPUTS = "layer_inputs"  #: the attention-input hidden states (after the layer's norm) of the new tokens
+STATISTICS = (WINDOW_ROWS, WINDOW_OUTPUTS, COLUMN_SUMS, OUTPUT_PROJECTION, LAYER_INPUTS)
+
+#: Side data holding how many tokens a (merged) entry stands for; attention adds ``log(count)``.
+MERGE_COUNT = "merge_count"
+
+
+@dataclass
+class LayerStep:
+    """One forward (or one block of it) of one layer, after the new entries were appended to the store.
+
+    ``query`` is ``(batch, q_heads, q, d)`` (post-RoPE); the queries sit at absolute slots
+    ``first_position + [0, q)``; ``query_valid`` ``(batch, q)`` marks non-padding queries (None: all real).
+    ``view`` is the dense view of every entry the layer holds, the new ones included.
+    """
+
+    module: torch.nn.Module
+    layer_idx: int
+    info: ModelInfo
+    query: torch.Tensor
+    first_position: int
+    query_valid: torch.Tensor | None
+    store: LayerStore
+    scaling: float
+    sliding_window: int | None = None
+    forward_index: int = 0
+    layer_inputs: torch.Tensor | None = None
+    #: Statistics the reading part declared (None: any).
+    allowed: frozenset[str] | None = None
+    _memo: dict[object, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def view(self) -> DenseView:
+        return self.store.dense()
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def is_decoding(self) -> bool:
+        """A single-token forward (generation step) rather than a prompt chunk."""
+        return self.q_len == 1
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads the store holds (the model's KV heads)."""
+        return self.store.heads
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.store.heads
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        if "qpos" not in self._memo:
+            self._memo["qpos"] = torch.arange(
+                self.first_position, self.first_position + self.q_len, device=self.query.device
+            )
+        return self._memo["qpos"]
+
+    def lengths(self) -> torch.Tensor:
+        """Entries held per (batch, KV head), on the entries' device."""
+        if "lengths" not in self._memo:
+            self._memo["lengths"] = self.store.lengths().to(self.query.device)
+        return self._memo["lengths"]
+
+    def entry_valid(self) -> torch.Tensor:
+        """``(batch, kv_heads, L)`` True for real entries of the dense view."""
+        if self.view.valid is not None:
+            return self.view.valid
+        return torch.ones(self.view.positions.shape, dtype=torch.bool, device=self.view.positions.device)
+
+    def bias(self) -> torch.Tensor | None:
+        """Additive logit bias per held entry ``(batch, kv_heads, L)``: ``log(count)`` of merged entries."""
+        counts = self.view.extras.get(MERGE_COUNT)
+        if counts is None:
+            return None
+        if "bias" not in self._memo:
+            bias = counts.float().clamp(min=1.0).log()
+            if self.view.valid is not None:
+                bias = bias.masked_fill(~self.view.valid, 0.0)
+            self._memo["bias"] = bias
+        return self._memo["bias"]
+
+    def _require(self, name: str) -> None:
+        if self.allowed is not None and name not in self.allowed:
+            raise RuntimeError(f"statistic {name!r} was not declared in the part's `needs` ({sorted(self.allowed)})")
+
+    # ------------------------------------------------------------------ statistics
+    def window_rows(self, window: int) -> torch.Tensor:
+        """Softmax rows ``(batch, q_heads, w, L)`` of the last ``min(window, q)`` queries (float32).
+
+        Rows of padding queries are zero.
+        """
+        self._require(WINDOW_ROWS)
+        w = min(window, self.q_len)
+        key = ("rows", w)
+        if key not in self._memo:
+            positions = self.query_positions[-w:]
+            mask = visibility_mask(positions, self.view.positions, self.view.valid, self.sliding_window)
+            rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.scaling, self.bias())
+            if self.query_valid is not None:
+                rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)
+            self._memo[key] = rows
+        return self._memo[key]
+
+    def window_outputs(self, window: int) -> torch.Tensor:
+        """Per-query-head attention outputs before ``W_O``, ``o_t = Σ_j A[t, j] v_j``, ``(batch, q_heads, w, d)``.
+
+        Computed in float32 from :meth:`window_rows` and the dense view's values (query head ``i`` reads
+        KV head ``i // groups``), so no second attention pass; rows of padding queries give zeros.
+        """
+        self._require(WINDOW_OUTPUTS)
+        rows = self.window_rows(window)
+        key = ("outputs", rows.shape[2])
+        if key not in self._memo:
+            batch, q_heads, w, length = rows.shape
+            values = self.view.values.float()
+            if self.view.valid is not None:
+                values = values.masked_fill(~self.view.valid.unsqueeze(-1), 0.0)
+            kv_heads = values.shape[1]
+            grouped = rows.reshape(batch, kv_heads, (q_heads // kv_heads) * w, length)
+            self._memo[key] = torch.matmul(grouped, values).view(batch, q_heads, w, values.shape[-1])
+        return self._memo[key]
+
+    def all_column_sums(self) -> torch.Tensor:
+        """``Σ_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
+        self._require(COLUMN_SUMS)
+        if "colsum" not in self._memo:
+            if self.q_len == 1:
+                self._memo["colsum"] = self.window_rows_unchecked(1)[:, :, 0]
+            else:
+                mask = visibility_mask(
+                    self.query_positions, self.view.positions, self.view.valid, self.sliding_window
+                )
+                self._memo["colsum"] = column_sums(
+                    self.query, self.view.keys, mask, self.scaling, self.query_valid, self.bias()
+                )
+        return self._memo["colsum"]
+
+    def window_rows_unchecked(self, window: int) -> torch.Tensor:
+        allowed, self.allowed = self.allowed, None
+        try:
+            return self.window_rows(window)
+        finally:
+            self.allowed = allowed
+
+    def output_projection(self) -> torch.Tensor:
+        """The layer's ``W_O`` weight ``(hidden, q_heads·d)`` (detached)."""
+        self._require(OUTPUT_PROJECTION)
+        return getattr(self.module, self.info.spec.output_proj_attr).weight.detach()
+
+    def inputs(self) -> torch.Tensor:
+        """Attention-input hidden states ``(batch, q, hidden)`` of this forward's tokens (after the layer's norm)."""
+        self._require(LAYER_INPUTS)
+        if self.layer_inputs is None:
+            raise RuntimeError("layer inputs were not captured for this forward (see kvsieve.engine.layer_inputs)")
+        return self.layer_inputs
+
+
+def log_count(counts: torch.Tensor) -> torch.Tensor:
+    """``log(count)``: the logit bias that makes one entry count as ``count`` identical tokens."""
+    return counts.float().clamp(min=1.0).log() if counts.numel() else counts.float()
+

@@ -1,0 +1,40 @@
+"""Action: what happens to the entries a plan does not keep.
+
+``plan(scores, counts, step)`` turns scores and per-head counts into a :class:`~kvsieve.engine.plan.Plan`;
+``apply(store, plan)`` executes it. The engine calls both; actions never touch the store otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.cache.store import LayerStore, SideSpec
+from kvsieve.compaction.evict import top_entries
+from kvsieve.engine.plan import Plan
+from kvsieve.engine.step import LayerStep
+from kvsieve.parts.base import Part
+
+
+@dataclass(frozen=True)
+class Action(Part):
+    """Base action: evict — keep the ``counts`` highest-scoring entries of each head, free the rest."""
+
+    kind: ClassVar[str] = "action"
+    name: ClassVar[str] = "evict"
+    #: Per-entry side data the action keeps (merge counts...).
+    SIDE: ClassVar[tuple[SideSpec, ...]] = ()
+
+    def side(self) -> tuple[SideSpec, ...]:
+        return self.SIDE
+
+    def plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
+        return Plan(top_entries(scores, counts), counts.cpu().reshape(-1))
+
+    def apply(self, store: LayerStore, plan: Plan) -> None:
+        store.keep(plan.keep, plan.counts)
+
+
+Evict = Action

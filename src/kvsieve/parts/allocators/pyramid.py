@@ -1,0 +1,45 @@
+"""``pyramid`` allocator (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+Information Funneling", arXiv:2406.02069).
+
+Per-layer budgets decrease linearly from the bottom layer to the top with the same total:
+``min = (B - w) / β``, ``max = 2 (B - w) - min``, layer ``l`` keeps ``⌊max - l · (max - min) / (L - 1)⌋ + w``
+entries per head, β = 20, ``w`` the scorer's observation window. The reference code rounds the step
+down, which can push the total above ``L·B``; flooring each exact layer budget keeps the total at or
+below ``L·B`` (equal up to rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from kvsieve.parts.allocators.base import Allocator
+from kvsieve.parts.base import PolicyConfigError, require_int
+
+if TYPE_CHECKING:
+    from kvsieve.policies.policy import Policy
+
+
+@dataclass(frozen=True)
+class Pyramid(Allocator):
+    """Pyramidal (linearly decreasing) layer budgets with the same total as uniform."""
+
+    name: ClassVar[str] = "pyramid"
+    accepts_ratio: ClassVar[bool] = False
+    aliases: ClassVar[dict[str, str]] = {"pyramid_beta": "beta"}
+    beta: int = 20
+
+    def validate(self) -> None:
+        require_int(self.name, "beta", self.beta, 1)
+
+    def check(self, policy: Policy) -> None:
+        if policy.budget is None:
+            raise PolicyConfigError(f"{policy.name}: needs an absolute budget (int ≥ 1), not a ratio")
+
+    def layer_budget(self, budget: int, layer_idx: int, num_layers: int, window: int) -> int:
+        if num_layers == 1:
+            return budget
+        spare = budget - window
+        low = spare / self.beta
+        high = 2 * spare - low
+        return int(high - layer_idx * (high - low) / (num_layers - 1)) + window

@@ -1,0 +1,85 @@
+"""Scorer: which held entries matter. A pure tensor function of the statistics it declares.
+
+``score(step, nominal)`` returns ``(batch, kv_heads, L)`` scores over the dense view's entries (higher =
+keep), ``+inf`` on entries the method always keeps (SnapKV's window, H2O's recent share, sinks) and
+``-inf`` on padding slots. ``nominal`` ``(batch, kv_heads)`` is the per-head budget the allocator
+starts from (before any redistribution), for the methods whose score depends on it (H2O's recent
+share, ReST-KV's top-``B`` drift). Scorers that keep running statistics (H2O's accumulated attention)
+return additive updates of their side data from :meth:`Scorer.observe`; the engine applies them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvsieve.cache.store import SideSpec
+from kvsieve.engine.step import LayerStep
+from kvsieve.parts.base import Part, PolicyConfigError
+
+if TYPE_CHECKING:
+    from kvsieve.policies.policy import Policy
+
+ALL_SCHEDULES = ("prefill", "decode", "blockwise")
+
+
+def protect_recent(scores: torch.Tensor, step: LayerStep, recent: int | torch.Tensor) -> torch.Tensor:
+    """Give +inf to the ``recent`` newest entries of each head and -inf to padding slots."""
+    lengths = step.lengths()
+    offsets = torch.arange(scores.shape[-1], device=scores.device)
+    recent_t = torch.as_tensor(recent, device=scores.device)
+    is_recent = offsets.view(1, 1, -1) >= (lengths - recent_t).unsqueeze(-1)
+    out = scores.float().masked_fill(is_recent, math.inf)
+    return out.masked_fill(~step.entry_valid(), -math.inf)
+
+
+@dataclass(frozen=True)
+class Scorer(Part):
+    """Base scorer. Subclasses implement :meth:`raw` (and :meth:`protect` when they keep more than a window)."""
+
+    kind: ClassVar[str] = "scorer"
+    #: Schedules the score makes sense under (SnapKV's window is the prompt's: no ``decode``).
+    SCHEDULES: ClassVar[tuple[str, ...]] = ("prefill", "blockwise")
+    #: Statistics read from the :class:`LayerStep` (see :data:`kvsieve.engine.step.STATISTICS`).
+    NEEDS: ClassVar[frozenset[str]] = frozenset()
+    #: Per-entry side data kept in the cache.
+    SIDE: ClassVar[tuple[SideSpec, ...]] = ()
+
+    def schedules(self) -> tuple[str, ...]:
+        return self.SCHEDULES
+
+    def needs(self) -> frozenset[str]:
+        return self.NEEDS
+
+    def side(self) -> tuple[SideSpec, ...]:
+        return self.SIDE
+
+    def protected_window(self) -> int:
+        """Newest entries always kept (the observation window; 0 when the method has none)."""
+        return int(getattr(self, "window", 0) or 0)
+
+    def check(self, policy: Policy) -> None:
+        window = self.protected_window()
+        if policy.budget is not None and window > policy.budget:
+            raise PolicyConfigError(
+                f"{policy.name}: window ({window}) must not exceed budget ({policy.budget}); "
+                f"allowed window range is [0, {policy.budget}]"
+            )
+
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
+        """Additive updates ``{side name: (batch, kv_heads, L, ...)}`` after every forward (default: none)."""
+        return {}
+
+    def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        """Unprotected scores ``(batch, kv_heads, L)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement raw()")
+
+    def protect(self, scores: torch.Tensor, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        """``+inf`` on always-kept entries, ``-inf`` on padding (default: the newest ``window``)."""
+        return protect_recent(scores, step, self.protected_window())
+
+    def score(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        return self.protect(self.raw(step, nominal), step, nominal)

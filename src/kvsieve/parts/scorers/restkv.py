@@ -1,0 +1,146 @@
+"""``restkv`` scorer — ReST-KV (An, Lu, Zhu et al. 2025, "ReST-KV: Robust KV Cache Eviction with Layer-wise
+Output Reconstruction and Spatial-Temporal Smoothing", ``papers/restkv.txt``).
+
+Prefill-once, like SnapKV, over the same observation window (the last ``window`` prompt queries).
+
+``order="before"`` (default; the paper's Eq. 7 → 9 order):
+
+1. indicator per window query ``t``, query head ``h`` and held entry ``j`` (Eq. 7, exact single-entry
+   removal error of the head's contribution to the layer output, App. A):
+   ``I_t[j] = A[t,j] / (1 - A[t,j]) · ‖(o_t - v_j) W_O^h‖₂``, ``o_t`` the full output of query ``t``;
+   ablations: ``use_output_projection=False`` gives ``A/(1-A)·‖o_t - v_j‖₂`` ("w/o W_O"),
+   ``indicator="vatp"`` gives ``A[t,j]·‖v_j‖₂`` (Table 15, VATP) and ``indicator="attention"`` gives
+   ``A[t,j]`` (Table 15 "Attention weights" = Table 3 "w/o LOR");
+2. temporal smoothing: EMA over the window queries in order, ``α = 0.3`` (Eq. 9); ``use_ema=False``
+   takes the plain mean instead (Table 16 "Mean" = Table 3 "w/o EMA").
+
+``order="after"`` (the authors' scripts, ``metric_mode="after"``): EMA (or mean) of the window
+attention over the prefix entries first, ``a_j``; then ``o = Σ_{j ∈ prefix} a_j v_j`` (the window's own
+entries left out, no renormalisation) and ``s_j = a_j / (1 - a_j) · ‖(o - v_j) W_O^h‖₂``.
+
+3. spatial smoothing: adaptive window (AWS, Eq. 10–13, ``β = 2000``) with ``B`` the head's budget around
+   a base kernel ``kernel_size`` (App. B: k = 5 for ReST-KV, 21 on RULER). ``width_rule="max"`` (default,
+   the authors' code): ``W_s = max(k, 2⌊|ΔD|/β⌋ + 1)``; ``width_rule="sum"`` (kvsieve ≤ 0.1):
+   ``W_s = k + 2⌊|ΔD|/β⌋``; both equal ``k`` whenever ``|ΔD| < β``. Eq. 11 printed literally
+   (``kernel_size=1``) is 1 — no smoothing — unless the important entries drift by ≥ β tokens, which
+   made ReST-KV worse than SnapKV on the default model (``docs/results/issue3``). Eq. 12's shift is
+   rounded towards zero (the authors' code applies the printed ``⌊x⌋ + 1`` for ``x ≤ 0``, i.e. γ = 1 when
+   nothing drifted; see :func:`kvsieve.scores.smoothing.adaptive_window`); the edges are zero padded
+   (the authors' code repeats the edge value). ΔD comes from each query's indicator (``before``) or its
+   attention row (``after``, as the authors' code does in both modes).
+   ``adaptive_smoothing=False`` uses SnapKV's avgpool with ``kernel_size`` (Table 16 "Avgpool";
+   ``kernel_size=1`` there is Table 3's "w/o AWS").
+4. GQA: mean over the query heads of each KV group (METHODS.md); the authors' code instead expands the
+   keys/values to every query head and selects per query head — ``KVCache(..., expand_gqa=True)``
+   gives that (``g×`` the memory). The window is always kept (Eq. 8's Ω).
+
+Only entries before the window (Eq. 8's ``n < t - S_w``) compete: window entries get 0 before smoothing
+(as in SnapKV's reference code). Extra cost over SnapKV: ``o_t`` from the window rows already computed,
+the per-head ``d×d`` Gram of ``W_O^h`` and one ``(w×d)·(d×L)`` product per head —
+``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.engine.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
+from kvsieve.parts.base import PolicyConfigError, require_bool, require_choice, require_int, require_number
+from kvsieve.parts.scorers.base import Scorer
+from kvsieve.scores.gqa import reduce_groups
+from kvsieve.scores.pooling import pool_scores
+from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
+from kvsieve.scores.smoothing import adaptive_spatial_smoothing, ema_over_window, mean_over_window
+
+INDICATORS = ("restkv", "vatp", "attention")
+
+
+@dataclass(frozen=True)
+class OutputReconstruction(Scorer):
+    """Layer-wise output reconstruction indicator with EMA and adaptive-window smoothing; keeps the window."""
+
+    name: ClassVar[str] = "restkv"
+    NEEDS: ClassVar[frozenset[str]] = frozenset({WINDOW_ROWS, WINDOW_OUTPUTS, OUTPUT_PROJECTION})
+    window: int = 32
+    alpha: float = 0.3
+    beta: float = 2000
+    use_output_projection: bool = True
+    use_ema: bool = True
+    adaptive_smoothing: bool = True
+    kernel_size: int = 5
+    indicator: str = "restkv"
+    width_rule: str = "max"
+    order: str = "before"
+
+    def validate(self) -> None:
+        require_int(self.name, "window", self.window, 0)
+        require_number(self.name, "alpha (EMA factor)", self.alpha, 0.0, 1.0, low_open=True)
+        require_number(self.name, "beta (AWS scale)", self.beta, 0.0, float("inf"), low_open=True)
+        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
+                or self.kernel_size % 2 == 0:
+            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+        for flag in ("use_output_projection", "use_ema", "adaptive_smoothing"):
+            require_bool(self.name, flag, getattr(self, flag))
+        require_choice(self.name, "indicator", self.indicator, INDICATORS)
+        require_choice(self.name, "width_rule", self.width_rule, ("max", "sum"))
+        require_choice(self.name, "order", self.order, ("before", "after"))
+        if self.order == "after" and self.indicator != "restkv":
+            raise PolicyConfigError(f"{self.name}: order='after' is defined for indicator='restkv' only")
+
+    def _gram(self, step: LayerStep) -> torch.Tensor | None:
+        if not self.use_output_projection:
+            return None
+        return output_gram(step.output_projection(), step.query.shape[1])
+
+    def indicators(self, step: LayerStep) -> torch.Tensor:
+        """Per-query indicators ``I_t[j]`` ``(batch, q_heads, w, L)`` of the window queries (Eq. 7)."""
+        rows = step.window_rows(max(self.window, 1))
+        if self.indicator == "vatp":
+            return vatp_indicator(rows, step.view.values)
+        if self.indicator == "attention":
+            return rows
+        return restkv_indicator(rows, step.window_outputs(max(self.window, 1)), step.view.values, self._gram(step))
+
+    def _temporal(self, indicator: torch.Tensor, query_valid: torch.Tensor | None) -> torch.Tensor:
+        if self.use_ema:
+            return ema_over_window(indicator, self.alpha, query_valid)
+        return mean_over_window(indicator, query_valid)
+
+    def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        """Smoothed scores ``(batch, kv_heads, L)`` before the window is protected."""
+        rows = step.window_rows(max(self.window, 1))
+        w, groups = rows.shape[2], step.groups
+        query_valid = None if step.query_valid is None else step.query_valid[:, -w:]
+        prefix = step.view.positions < step.query_positions[-w]
+        if step.view.valid is not None:
+            prefix = prefix & step.view.valid
+        prefix = prefix.repeat_interleave(groups, dim=1)
+        if self.order == "before":
+            drift_source = self.indicators(step)
+            smoothed = self._temporal(drift_source, query_valid)
+        else:
+            drift_source = rows
+            attention = self._temporal(rows.masked_fill(~prefix.unsqueeze(2), 0.0), query_valid)
+            smoothed = self._after_scores(attention, step)
+        smoothed = smoothed.masked_fill(~prefix, 0.0)  # per-entry linear: same as masking every I_t first
+        if self.adaptive_smoothing:
+            k = nominal.repeat_interleave(groups, dim=1)
+            smoothed = adaptive_spatial_smoothing(
+                smoothed, drift_source, k, prefix, self.beta, query_valid, self.kernel_size, self.width_rule
+            )
+        else:
+            smoothed = pool_scores(smoothed, self.kernel_size, "avgpool")
+        return reduce_groups(smoothed.float(), step.kv_heads, "mean")
+
+    def _after_scores(self, attention: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """``a/(1-a)·‖(o - v_j) W_O^h‖`` with ``o = Σ_prefix a_j v_j`` (``metric_mode="after"``), ``(b, q_heads, L)``."""
+        values = step.view.values.float()
+        if step.view.valid is not None:
+            values = values.masked_fill(~step.view.valid.unsqueeze(-1), 0.0)
+        batch, q_heads, length = attention.shape
+        grouped = attention.reshape(batch, step.kv_heads, q_heads // step.kv_heads, length)
+        outputs = torch.matmul(grouped, values).reshape(batch, q_heads, 1, -1)
+        return restkv_indicator(attention.unsqueeze(2), outputs, values, self._gram(step))[:, :, 0]

@@ -1,0 +1,53 @@
+"""``tova`` scorer — Token Omission Via Attention (Oren et al. 2024, "Transformers are Multi-State RNNs",
+arXiv:2401.06104).
+
+Score of entry ``j``: the attention of the *last* query only. ``heads="layer"`` (default, the official
+code: ``attn_weights[:, :, -1, :]`` averaged over every query head of the layer, one kept set shared by
+all KV heads) or ``heads="group"`` (kvsieve ≤ 0.1: averaged over each GQA group, one set per KV head).
+Nothing is protected: the newest token competes like any other (as in the official code). The layer
+average needs every head of a row to hold the same positions — TOVA's own selection keeps it so; when
+another part made the heads ragged, the score falls back to the per-group average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.engine.step import WINDOW_ROWS, LayerStep
+from kvsieve.parts.base import require_choice
+from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
+from kvsieve.scores.gqa import reduce_groups
+
+
+@dataclass(frozen=True)
+class LastQueryAttention(Scorer):
+    """Keep the entries the current (last) query attends to most."""
+
+    name: ClassVar[str] = "tova"
+    SCHEDULES: ClassVar[tuple[str, ...]] = ALL_SCHEDULES
+    NEEDS: ClassVar[frozenset[str]] = frozenset({WINDOW_ROWS})
+    heads: str = "layer"
+
+    def validate(self) -> None:
+        require_choice(self.name, "heads", self.heads, ("layer", "group"))
+
+    def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        last_row = step.window_rows(1)[:, :, -1]
+        if self.heads == "layer" and _heads_aligned(step):
+            shared = last_row.mean(dim=1, keepdim=True)
+            return shared.expand(-1, step.kv_heads, -1)
+        return reduce_groups(last_row, step.kv_heads, "mean")
+
+
+def _heads_aligned(step: LayerStep) -> bool:
+    """Every KV head of each row holds the same positions (so an average over all heads is per token)."""
+    view = step.view
+    if step.kv_heads == 1:
+        return True
+    same = view.positions == view.positions[:, :1]
+    if view.valid is not None:
+        same = same & (view.valid == view.valid[:, :1])
+    return bool(same.all())

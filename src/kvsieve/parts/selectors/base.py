@@ -1,0 +1,33 @@
+"""Selector: decoding-time subset attention that deletes nothing.
+
+At every decoding step of a managed layer, ``select(step)`` returns, per query head, the indices
+(``(batch, q_heads, k)``) of the held entries the query attends to; the kernel gathers only those.
+Memory equals what the cache holds; only the attention (and KV traffic) is sparse. Quest, SparQ and
+RocketKV's hybrid sparse attention are selectors too; ``exact_topk`` is their oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.cache.store import StoreHook
+from kvsieve.engine.step import LayerStep
+from kvsieve.parts.base import Part
+
+
+@dataclass(frozen=True)
+class Selector(Part):
+    """Base selector (abstract)."""
+
+    kind: ClassVar[str] = "selector"
+
+    def hooks(self) -> list[StoreHook]:
+        """Per-store data the selector keeps up to date (e.g. per-page key min/max); fresh objects per store."""
+        return []
+
+    def select(self, step: LayerStep) -> torch.Tensor | None:
+        """Indices ``(batch, q_heads, k)`` into the dense view's entries; None: attend to every entry."""
+        raise NotImplementedError(f"{type(self).__name__} must implement select()")

@@ -1,0 +1,154 @@
+"""``Policy``: a KV-cache method as a composition of parts.
+
+A policy is a *scorer* (which entries matter), an *allocator* (how many each layer/head keeps), an
+*action* (evict or merge the rest), an optional *selector* (decoding-time subset attention, deleting
+nothing) and a *schedule* (when compaction fires), plus the budget: ``budget`` entries per KV head or a
+``ratio`` of held entries removed. Named methods are presets of parts (:mod:`kvsieve.policies.presets`);
+any combination works without new code::
+
+    Policy(scorer=WindowAttention(window=32), allocator=Adaptive(alpha=0.2), budget=256)
+    make_policy("restkv", budget=256, allocator="adaptive")
+
+Everything is validated on construction, before any model or cache is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvsieve.cache.store import SideSpec, StoreHook
+from kvsieve.parts.actions import ACTIONS, Action, Evict
+from kvsieve.parts.allocators import ALLOCATORS, Allocator, Uniform
+from kvsieve.parts.base import Part, PolicyConfigError, is_int, is_number
+from kvsieve.parts.schedules import Prefill, Schedule, make_schedule
+from kvsieve.parts.scorers import Scorer
+from kvsieve.parts.selectors import Selector
+
+ALL_SCHEDULES = ("prefill", "decode", "blockwise")
+
+
+def _resolve(kind: str, value: object, table: dict[str, type[Part]], base: type[Part]) -> Any:
+    if isinstance(value, base):
+        return value
+    if isinstance(value, str) and value in table:
+        return table[value]()
+    raise PolicyConfigError(f"{kind} must be one of {sorted(table)} or a {base.__name__} object; got {value!r}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A KV-cache policy: parts plus a budget (see the module docstring)."""
+
+    scorer: Scorer | None = None
+    allocator: Allocator = Uniform()
+    action: Action = Evict()
+    selector: Selector | None = None
+    schedule: Schedule = Prefill()
+    budget: int | None = None
+    ratio: float | None = None
+    #: Store keys/values per *query* head (``g×`` the memory) so each query head selects its own entries.
+    expand_gqa: bool = False
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", make_schedule(self.schedule))
+        object.__setattr__(self, "allocator", _resolve("allocator", self.allocator, ALLOCATORS, Allocator))
+        object.__setattr__(self, "action", _resolve("action", self.action, ACTIONS, Action))
+        self.validate()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def evicts(self) -> bool:
+        """Whether the policy ever deletes (or merges) entries."""
+        return self.scorer is not None
+
+    @property
+    def needs_budget(self) -> bool:
+        return self.scorer is not None or self.selector is not None
+
+    @property
+    def block_size(self) -> int | None:
+        return self.schedule.block_length()
+
+    def schedules(self) -> tuple[str, ...]:
+        """Schedules this combination of parts can run under."""
+        if self.scorer is None:
+            return ALL_SCHEDULES if self.selector is None else ("prefill",)
+        allowed = set(self.scorer.schedules()) & set(self.allocator.schedules())
+        return tuple(s for s in ALL_SCHEDULES if s in allowed)
+
+    def side(self) -> tuple[SideSpec, ...]:
+        """Per-entry side data every store of this policy keeps."""
+        specs = list(self.scorer.side()) if self.scorer is not None else []
+        return (*specs, *self.action.side())
+
+    def hooks(self) -> list[StoreHook]:
+        return self.selector.hooks() if self.selector is not None else []
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise :class:`PolicyConfigError` naming the parameter and its allowed range."""
+        name, budget, ratio = self.name, self.budget, self.ratio
+        if self.scorer is not None and not isinstance(self.scorer, Scorer):
+            raise PolicyConfigError(f"{name}: scorer must be a Scorer; got {self.scorer!r}")
+        if self.selector is not None and not isinstance(self.selector, Selector):
+            raise PolicyConfigError(f"{name}: selector must be a Selector; got {self.selector!r}")
+        if self.needs_budget:
+            if budget is None and ratio is None:
+                raise PolicyConfigError(f"{name}: give budget (int ≥ 1, entries per head) or ratio in [0, 1)")
+            if budget is not None and ratio is not None:
+                raise PolicyConfigError(f"{name}: give either budget or ratio, not both")
+        if budget is not None and (not is_int(budget) or budget <= 0):
+            raise PolicyConfigError(f"{name}: budget must be an int ≥ 1 (entries per head); got {budget!r}")
+        if ratio is not None and (not is_number(ratio) or not 0.0 <= ratio < 1.0):
+            raise PolicyConfigError(f"{name}: ratio must be a float in [0, 1); got {ratio!r}")
+        if not isinstance(self.expand_gqa, bool):
+            raise PolicyConfigError(f"{name}: expand_gqa must be True or False; got {self.expand_gqa!r}")
+        kind = self.schedule.name
+        if kind not in self.schedules():
+            raise PolicyConfigError(
+                f"{name}: schedule {kind!r} cannot work with this policy; supported schedules: {self.schedules()}"
+            )
+        if self.needs_budget and budget is None and not self.schedule.accepts_ratio:
+            raise PolicyConfigError(
+                f"{name}: schedule {kind!r} needs an absolute budget (a ratio of a growing cache is undefined)"
+            )
+        if ratio is not None and not self.allocator.accepts_ratio:
+            raise PolicyConfigError(f"{name}: the {self.allocator.name} allocator needs an absolute budget (int ≥ 1), "
+                                    "not a ratio")
+        if self.selector is not None and budget is None:
+            raise PolicyConfigError(f"{name}: needs budget (int ≥ 1): the number of entries each query attends to")
+        for part in (self.scorer, self.allocator, self.action, self.selector, self.schedule):
+            if part is not None:
+                part.check(self)
+
+    # ------------------------------------------------------------------ description
+    def flat_params(self) -> dict[str, Any]:
+        """Every parameter as a flat mapping (budget, schedule, then the parts' fields)."""
+        out: dict[str, Any] = {"budget": self.budget, "ratio": self.ratio, "schedule": self.schedule.name}
+        out.update(self.schedule.params())
+        if self.scorer is not None:
+            out.update({k: v for k, v in self.scorer.params().items() if not isinstance(v, Part)})
+            base = getattr(self.scorer, "base", None)
+            if isinstance(base, Part):
+                out.update(base.params())
+        if type(self.allocator) is not Uniform:
+            out["allocator"] = self.allocator.name
+            out.update(self.allocator.params())
+        if type(self.action) is not Evict:
+            out["action"] = self.action.name
+            out.update(self.action.params())
+        if self.selector is not None:
+            out.update(self.selector.params())
+        if self.expand_gqa:
+            out["expand_gqa"] = True
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """The policy's name and parameters (``kvsieve list``, result files)."""
+        return {"name": self.name, **self.flat_params()}
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.flat_params().items())
+        return f"{self.name}({inner})"
