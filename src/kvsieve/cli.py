@@ -22,16 +22,38 @@ def _csv(kind: type, name: str):  # type: ignore[no-untyped-def]
 def _cmd_list(_: argparse.Namespace) -> int:
     from dataclasses import MISSING, fields
 
-    for name, cls in list_policies().items():
-        params = []
-        for f in fields(cls):
-            default = f.default if f.default is not MISSING else "required"
-            params.append(f"{f.name}={default!r}")
-        kind = "evicts" if cls.evicts else "keeps all entries"
-        print(f"{name:<14} [{kind}; schedules: {', '.join(cls.schedules)}]  {', '.join(params)}")
-        doc = (cls.__doc__ or "").strip().splitlines()
-        if doc:
-            print(f"{'':<14} {doc[0]}")
+    from kvsieve.parts import ACTIONS, ALLOCATORS, SCHEDULES, SCORERS, SELECTORS
+    from kvsieve.policies.presets import make_policy
+
+    print("Presets (a named method = parts; any parameter below can be passed to KVCache(model, name, ...)):")
+    for name, entry in list_policies().items():
+        try:
+            example = make_policy(name, budget=64) if entry.scorer or entry.selector or entry.base_param else None
+        except ValueError:
+            example = None
+        parts = []
+        if entry.scorer is not None or entry.base_param:
+            scorer = "base score (snapkv)" if entry.base_param else entry.scorer.name  # type: ignore[union-attr]
+            parts.append(f"scorer={'fast' if entry.caote else ''}{'caote(' + scorer + ')' if entry.caote is not None else scorer}")
+        parts.append(f"allocator={entry.allocator.name}")
+        if entry.selector is not None:
+            parts.append(f"selector={entry.selector.name}")
+        kind = "evicts" if entry.scorer is not None or entry.base_param else "keeps all entries"
+        schedules = ", ".join(example.schedules()) if example is not None else "prefill, decode, blockwise"
+        print(f"  {name:<16} {entry.summary}")
+        print(f"  {'':<16} [{kind}; {'; '.join(parts)}; schedules: {schedules}]")
+        print(f"  {'':<16} parameters: {', '.join(entry.parameters())}")
+    print("\nParts (combine freely: KVCache(model, 'restkv', budget=256, allocator='adaptive'), or pass objects):")
+    for kind, table in (("scorers", SCORERS), ("allocators", ALLOCATORS), ("actions", ACTIONS),
+                        ("selectors", SELECTORS), ("schedules", SCHEDULES)):
+        print(f"  {kind}:")
+        for name, cls in table.items():
+            params = []
+            for f in fields(cls):
+                default = f.default if f.default is not MISSING else "required"
+                params.append(f"{f.name}={default!r}")
+            doc = (cls.__doc__ or "").strip().splitlines()
+            print(f"    {name:<14} {cls.__name__}({', '.join(params)})  {doc[0] if doc else ''}")
     return 0
 
 

@@ -92,6 +92,10 @@ def attend(
     repeating the unselected ones; ``bias`` and ``key_valid`` (``(batch, kv_heads, n)``) apply to them.
     """
     if subset is None:
+        if keys.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) != 1:
+            # keys already stored per query head (``expand_gqa``): transformers' wrapper would repeat them again
+            out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+            return out.transpose(1, 2).contiguous()
         output, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)
         return output
     batch, q_heads, _, dim = query.shape

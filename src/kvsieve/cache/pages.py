@@ -3,7 +3,7 @@ hybrid sparse attention, ``papers/rocketkv.txt`` Sec. 3.4).
 
 Each segment's held entries are split, in position order, into pages of ``page_size`` consecutive
 entries; for every page the element-wise maximum and minimum of its keys are kept. Appends update only
-the pages they touch (``index_reduce_`` with ``amax``/``amin``); a compaction or any other layout change
+the pages they touch (``scatter_reduce_`` with ``amax``/``amin``); a compaction or any other layout change
 recomputes every page from the held keys, so the statistics always describe exactly what is held.
 Unused page slots hold ``-inf`` (max) / ``+inf`` (min).
 """
@@ -85,8 +85,9 @@ class PageMinMax(StoreHook):
             self._grow(store, needed + PAGE_GROWTH)
         flat_page = segments * self.slots + page
         keys = store.keys.index_select(0, flat_rows).float()
-        self.kmax.index_reduce_(0, flat_page, keys, "amax", include_self=True)
-        self.kmin.index_reduce_(0, flat_page, keys, "amin", include_self=True)
+        index = flat_page[:, None].expand(-1, keys.shape[-1])
+        self.kmax.scatter_reduce_(0, index, keys, "amax", include_self=True)
+        self.kmin.scatter_reduce_(0, index, keys, "amin", include_self=True)
 
     def _grow(self, store: LayerStore, slots: int) -> None:
         b, h, d = store.batch, store.heads, store.head_dim
