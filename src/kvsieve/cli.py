@@ -34,7 +34,8 @@ def _cmd_list(_: argparse.Namespace) -> int:
         parts = []
         if entry.scorer is not None or entry.base_param:
             scorer = "base score (snapkv)" if entry.base_param else entry.scorer.name  # type: ignore[union-attr]
-            parts.append(f"scorer={'fast' if entry.caote else ''}{'caote(' + scorer + ')' if entry.caote is not None else scorer}")
+            wrapped = f"{'fast' if entry.caote else ''}caote({scorer})" if entry.caote is not None else scorer
+            parts.append(f"scorer={wrapped}")
         parts.append(f"allocator={entry.allocator.name}")
         if entry.selector is not None:
             parts.append(f"selector={entry.selector.name}")

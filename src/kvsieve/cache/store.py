@@ -405,7 +405,7 @@ class LayerStore:
         target = self.extras[name]
         self._dense_cache = None
         if self._uniform is not None:
-            length, cap = self._uniform
+            cap = self._uniform[1]
             view = target.view(self.batch, self.heads, cap, *target.shape[1:])
             view[:, :, : values.shape[2]] += values.to(target.dtype)
             return

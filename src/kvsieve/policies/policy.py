@@ -41,10 +41,10 @@ class Policy:
     """A KV-cache policy: parts plus a budget (see the module docstring)."""
 
     scorer: Scorer | None = None
-    allocator: Allocator = Uniform()
-    action: Action = Evict()
+    allocator: Allocator = Uniform()  # noqa: RUF009 - frozen, hashable value objects
+    action: Action = Evict()  # noqa: RUF009
     selector: Selector | None = None
-    schedule: Schedule = Prefill()
+    schedule: Schedule = Prefill()  # noqa: RUF009
     budget: int | None = None
     ratio: float | None = None
     #: Store keys/values per *query* head (``g×`` the memory) so each query head selects its own entries.

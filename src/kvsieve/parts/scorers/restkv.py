@@ -136,7 +136,7 @@ class OutputReconstruction(Scorer):
         return reduce_groups(smoothed.float(), step.kv_heads, "mean")
 
     def _after_scores(self, attention: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        """``a/(1-a)·‖(o - v_j) W_O^h‖`` with ``o = Σ_prefix a_j v_j`` (``metric_mode="after"``), ``(b, q_heads, L)``."""
+        """``a/(1-a)·‖(o - v_j) W_O^h‖``, ``o = Σ_prefix a_j v_j`` (``metric_mode="after"``), ``(b, q_heads, L)``."""
         values = step.view.values.float()
         if step.view.valid is not None:
             values = values.masked_fill(~step.view.valid.unsqueeze(-1), 0.0)

@@ -14,8 +14,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.engine.step import WINDOW_ROWS, LayerStep
-from kvsieve.parts.base import require_choice, require_int
-from kvsieve.parts.base import PolicyConfigError
+from kvsieve.parts.base import PolicyConfigError, require_choice, require_int
 from kvsieve.parts.scorers.base import Scorer
 from kvsieve.scores.window import window_scores
 
