@@ -212,6 +212,7 @@ def make_policy(name: str, **params: Any) -> Policy:
             names = [aliased[(kind, f)] for f in kwargs if (kind, f) in aliased]
             prefix = f"{name}: {', '.join(names)}: " if names else f"{name}: "
             raise PolicyConfigError(prefix + str(err)) from None
-    if p.caote is not None:
-        built["scorer"] = Caote(base=built["scorer"], fast=p.caote)
+    caote = preset(base_name).caote if p.base_param and isinstance(base_name, str) else p.caote
+    if caote is not None:
+        built["scorer"] = Caote(base=built["scorer"], fast=caote)
     return Policy(name=name, **built, **policy_kw)

@@ -11,7 +11,6 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.attention.kernel import attention_logits
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_int
 from kvsieve.parts.selectors.base import Selector
@@ -31,9 +30,13 @@ class ExactTopK(Selector):
         view = step.view
         if self.k >= view.length:
             return None
-        logits = attention_logits(step.query, view.keys, step.scaling, step.bias())  # (b, kv, g, 1, L)
+        batch, q_heads, _, dim = step.query.shape
+        kv_heads = view.keys.shape[1]
+        grouped = step.query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float()
+        logits = torch.matmul(grouped, view.keys.float().transpose(-1, -2)) * step.scaling  # (b, kv, g, L)
+        bias = step.bias()
+        if bias is not None:
+            logits = logits + bias[:, :, None, :]
         if view.valid is not None:
-            logits = logits.masked_fill(~view.valid[:, :, None, None, :], float("-inf"))
-        top = torch.topk(logits, self.k, dim=-1).indices
-        batch, q_heads = step.query.shape[0], step.query.shape[1]
-        return top.reshape(batch, q_heads, self.k)
+            logits = logits.masked_fill(~view.valid[:, :, None, :], float("-inf"))
+        return torch.topk(logits, self.k, dim=-1).indices.reshape(batch, q_heads, self.k)

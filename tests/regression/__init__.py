@@ -1,0 +1,1 @@
+"""Engine regression test support: the case grid/runner and the golden-data recorder."""
