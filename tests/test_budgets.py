@@ -12,7 +12,7 @@ from conftest import GEMMA3_SLIDING_WINDOW
 from helpers import all_kept_positions, decode_loop, managed_layers, prompt, sliding_layers
 
 import kvsieve
-from kvsieve.policies.pyramidkv import PyramidKV
+from kvsieve.parts import Adaptive, Pyramid
 
 PROMPT_LEN, BUDGET = 24, 8
 POSITION_BYTES = 8  # int64 absolute position per entry
@@ -154,9 +154,10 @@ def test_ratio_keeps_ceiling_fraction(model):
 
 def test_pyramidkv_layer_budgets_decrease(arch, model):
     ids = prompt(batch=2, length=40, seed=29)
-    policy = PyramidKV(budget=12, window=4)
+    policy = kvsieve.make_policy("pyramidkv", budget=12, window=4)
+    assert policy.allocator == Pyramid(beta=20) and policy.scorer.protected_window() == 4
     num_layers = 3
-    budgets = [policy.layer_budget(i, num_layers) for i in range(num_layers)]
+    budgets = [policy.allocator.layer_budget(12, i, num_layers, 4) for i in range(num_layers)]
     assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
     assert budgets[0] > budgets[-1]
     assert sum(budgets) <= num_layers * 12
@@ -177,16 +178,17 @@ def test_pyramidkv_layer_budgets_decrease(arch, model):
 def test_pyramidkv_budget_schedule_properties(num_layers, budget, window):
     """Budgets decrease with depth and never exceed ``layers × budget`` in total (METHODS.md: the
     pyramid redistributes the same total), whatever the layer count."""
-    policy = PyramidKV(budget=budget, window=window)
-    budgets = [policy.layer_budget(i, num_layers) for i in range(num_layers)]
+    allocator = Pyramid(beta=20)
+    budgets = [allocator.layer_budget(budget, i, num_layers, window) for i in range(num_layers)]
     assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
     assert sum(budgets) <= num_layers * budget, budgets
     assert min(budgets) >= max(window, 1), budgets
 
 
-def test_adakv_allocation(arch, model):
+@pytest.mark.parametrize("floor", ["outside_window", "budget"])
+def test_adakv_allocation(arch, model, floor):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=30)
-    cache = kvsieve.KVCache(model, "adakv", budget=BUDGET, window=4)
+    cache = kvsieve.KVCache(model, "adakv", budget=BUDGET, window=4, floor=floor)
     model(ids, past_key_values=cache)
     lengths = cache.head_lengths()
     managed = managed_layers(cache)
@@ -195,8 +197,11 @@ def test_adakv_allocation(arch, model):
     assert (lengths[managed].sum(dim=-1) == heads * BUDGET).all(), lengths.tolist()
     # ... but heads really differ (ragged storage, not a padded max)
     assert bool((lengths[managed].amax(-1) != lengths[managed].amin(-1)).any()), lengths.tolist()
-    # floor α·B per head, never more than held
+    # floor per head, never more than held: floor="budget" guarantees ⌊α·B⌋ counting the window;
+    # floor="outside_window" (default) the window plus ⌊α·(B - w)⌋
     assert (lengths[managed] >= int(0.2 * BUDGET)).all()
+    if floor == "outside_window":
+        assert (lengths[managed] >= 4 + int(0.2 * (BUDGET - 4))).all()
     assert (lengths[managed] <= PROMPT_LEN).all()
     # used bytes are the per-head counts, not heads × max
     per_entry = kv_entry_bytes(cache) + POSITION_BYTES
@@ -207,6 +212,35 @@ def test_adakv_allocation(arch, model):
     for layer, b, h, positions in all_kept_positions(cache):
         assert len(positions) == int(lengths[layer, b, h])
         assert cache.kept_entries(layer, b, h)[0].shape[0] == len(positions)
+
+
+@pytest.mark.parametrize(("floor", "expected"), [("outside_window", [13, 7]), ("budget", [15, 5])])
+def test_adaptive_floor_hand_computed(floor, expected):
+    """Two heads, B = 10, a 4-entry window (+inf), α = 0.5; head 0 outscores head 1 everywhere.
+    ``outside_window``: floor = 4 + ⌊0.5·(10 - 4)⌋ = 7, the other 20 - 14 = 6 go to head 0.
+    ``budget`` (kvsieve ≤ 0.1): floor = ⌊0.5·10⌋ = 5 counting the window, head 0 takes 20 - 10 = 10 more."""
+    length, window, budget = 20, 4, 10
+    scores = torch.stack([torch.arange(length) + 100.0, torch.arange(length) / 100.0]).unsqueeze(0)
+    scores[..., -window:] = math.inf
+    nominal = torch.full((1, 2), budget)
+    lengths = torch.full((1, 2), length)
+    counts = Adaptive(alpha=0.5, floor=floor).allocate(scores, nominal, lengths)
+    assert counts.tolist() == [expected]
+    assert int(counts.sum()) == 2 * budget
+
+
+def test_adakv_default_floor_guarantees_entries_outside_the_window(arch, model):
+    """Default ``floor="outside_window"``: every head keeps its window plus ⌊α·(B - w)⌋ more entries."""
+    budget, window, alpha = 16, 8, 0.8
+    ids = prompt(batch=2, length=40, seed=30)
+    cache = kvsieve.KVCache(model, "adakv", budget=budget, window=window, floor_alpha=alpha)
+    assert cache.policy.allocator == Adaptive(alpha=alpha, floor="outside_window")
+    model(ids, past_key_values=cache)
+    lengths = cache.head_lengths()[managed_layers(cache)]
+    floor = window + int(alpha * (budget - window))  # 14 (floor="budget" would guarantee only ⌊α·B⌋ = 12)
+    assert (lengths >= floor).all(), lengths.tolist()
+    assert (lengths == floor).any(), lengths.tolist()  # the floor binds here: some head would keep fewer
+    assert (lengths.sum(dim=-1) == cache.info.num_kv_heads * budget).all(), lengths.tolist()
 
 
 def test_used_nbytes_counts_side_data_and_slack(model):

@@ -7,13 +7,14 @@ import pytest
 import torch
 from conftest import get_model
 from helpers import all_kept_positions, decode_loop, generate, left_pad, managed_layers, prompt
-from test_scores import make_step
+from test_scores import make_step, nominal, observe
 from transformers import DynamicCache
 
 import kvsieve
-from kvsieve.policies.caote import CaoteMeta
-from kvsieve.policies.h2o import ACCUMULATOR, H2O
-from kvsieve.policies.registry import policy_class
+from kvsieve.parts import AccumulatedAttention, Caote, LastQueryAttention, WindowAttention
+from kvsieve.parts.scorers.h2o import ACCUMULATOR
+from kvsieve.policies import PRESETS
+from kvsieve.policies.presets import preset
 from kvsieve.scores.gqa import reduce_groups
 from kvsieve.scores.reconstruction import caote_meta_scores, caote_scores
 
@@ -83,34 +84,53 @@ def test_meta_scores_ignore_padding_entries(fast):
 def test_caote_scores_replace_base_scores_and_keep_base_protection():
     step, attention = make_step(7)
     values = step.view.values
-    h2o, meta = H2O(budget=8), kvsieve.make_policy("h2o_caote", budget=8)
-    meta.observe(step)
-    base = h2o.score(step)
-    scores = meta.score(step)
+    h2o = AccumulatedAttention()
+    meta = kvsieve.make_policy("h2o_caote", budget=8).scorer
+    assert meta == Caote(base=AccumulatedAttention(), fast=False)
+    observe(meta, step)
+    base = h2o.score(step, nominal(8))
+    scores = meta.score(step, nominal(8))
     assert torch.equal(torch.isinf(scores), torch.isinf(base)) and torch.isinf(base).any()
     expected = caote_meta_scores(step.store.dense().extras[ACCUMULATOR], values)
     finite = ~torch.isinf(base)
     torch.testing.assert_close(scores[finite], expected[finite])
     kv_heads = step.info.num_kv_heads
+    # tova's default score (heads="layer"): the last query's row averaged over every query head of the layer
+    fast_scorer = kvsieve.make_policy("tova_fastcaote", budget=8).scorer
+    assert fast_scorer == Caote(base=LastQueryAttention(heads="layer"), fast=True)
+    layer_row = attention[:, :, -1].float().mean(dim=1, keepdim=True).expand(-1, kv_heads, -1)
+    fast = fast_scorer.score(step, nominal(8))
+    torch.testing.assert_close(fast, caote_meta_scores(layer_row, values, fast=True), rtol=1e-4, atol=1e-6)
+    # ... and with heads="group" (kvsieve ≤ 0.1) the per-group average
     tova_row = reduce_groups(attention[:, :, -1].float(), kv_heads, "mean")
-    fast = kvsieve.make_policy("tova_fastcaote", budget=8).score(step)
+    fast = kvsieve.make_policy("tova_fastcaote", budget=8, heads="group").scorer.score(step, nominal(8))
     torch.testing.assert_close(fast, caote_meta_scores(tova_row, values, fast=True), rtol=1e-4, atol=1e-6)
-    snap = kvsieve.make_policy("snapkv_caote", budget=8, window=4)
-    snap_scores = snap.score(step)
+    snap = kvsieve.make_policy("snapkv_caote", budget=8, window=4).scorer
+    assert snap == Caote(base=WindowAttention(window=4), fast=False)
+    snap_scores = snap.score(step, nominal(8))
     assert torch.isinf(snap_scores[..., -4:]).all()
-    expected = caote_meta_scores(snap.raw_scores(step), values)
+    expected = caote_meta_scores(snap.base.raw(step, nominal(8)), values)
     torch.testing.assert_close(snap_scores[..., :-4], expected[..., :-4])
+    torch.testing.assert_close(snap.raw(step, nominal(8)), expected)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_schedules_and_fields_come_from_the_base(name):
-    cls = policy_class(name)
-    assert issubclass(cls, CaoteMeta)
-    base = policy_class(cls.base)
-    assert issubclass(cls, base)
-    assert cls.schedules is base.schedules
-    assert cls.extras == base.extras
-    assert cls.fast == name.endswith("fastcaote")
+    p = preset(name)
+    assert PRESETS[name] is p
+    assert p.caote is name.endswith("fastcaote")
+    base_name = name.split("_")[0]
+    base = preset(base_name)
+    assert base.caote is None and p.scorer is base.scorer and p.allocator is base.allocator
+    params = {"budget": 8, **({"window": 4} if base_name == "snapkv" else {})}
+    policy, base_policy = kvsieve.make_policy(name, **params), kvsieve.make_policy(base_name, **params)
+    assert isinstance(policy.scorer, Caote) and policy.scorer.fast is p.caote
+    assert policy.scorer.base == base_policy.scorer
+    assert policy.schedules() == base_policy.schedules()
+    assert policy.scorer.schedules() == base_policy.scorer.schedules()
+    assert policy.side() == base_policy.side()
+    assert policy.scorer.needs() == base_policy.scorer.needs()
+    assert policy.scorer.protected_window() == base_policy.scorer.protected_window()
     assert name in kvsieve.list_policies()
 
 
@@ -154,7 +174,7 @@ def test_decode_schedule_respects_budget_every_step(arch, model, name, buffer):
     decode_loop(model, cache, prompt(batch=2, length=PROMPT_LEN, seed=72), steps=5, after_step=check)
 
 
-@pytest.mark.skipif("blockwise" not in H2O.schedules, reason="blockwise schedule not available")
+@pytest.mark.skipif("blockwise" not in AccumulatedAttention.SCHEDULES, reason="blockwise schedule not available")
 @pytest.mark.parametrize("name", ["h2o_caote", "tova_fastcaote"])
 def test_blockwise_schedule_is_inherited(model, name):
     cache = kvsieve.KVCache(model, name, budget=BUDGET, schedule="blockwise", block_size=6)

@@ -173,9 +173,15 @@ def test_exact_topk_small_budget_differs_but_keeps_everything(arch, model):
         assert torch.equal(cache.kept_positions(layer, 1, 1), full_cache.kept_positions(layer, 1, 1))
 
 
-def test_topk_attention_matches_manual_selection():
-    """Unit check of the selection kernel against a hand-written top-k softmax."""
-    from kvsieve.compaction.select import topk_attention
+@pytest.mark.parametrize("padded", [False, True])
+def test_topk_attention_matches_manual_selection(padded):
+    """Unit check of the selection kernel (``ExactTopK.select`` + ``attend(subset=...)``) against a
+    hand-written top-k softmax; with ``padded``, batch row 1 holds only its last ``length - 3`` entries."""
+    from kvsieve.attention.kernel import attend
+    from kvsieve.cache.store import LayerStore
+    from kvsieve.engine.step import LayerStep
+    from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
+    from kvsieve.parts import ExactTopK
 
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, groups, length, dim, k = 2, 2, 2, 11, 8, 3
@@ -183,16 +189,32 @@ def test_topk_attention_matches_manual_selection():
     keys = torch.randn(batch, kv_heads, length, dim, generator=generator)
     values = torch.randn(batch, kv_heads, length, dim, generator=generator)
     scaling = dim**-0.5
-    out = topk_attention(query, keys, values, None, k, scaling)
+    token_valid = None
+    if padded:
+        token_valid = torch.ones(batch, length, dtype=torch.bool)
+        token_valid[1, :3] = False
+    store = LayerStore(batch, kv_heads, dim, torch.float32, torch.device("cpu"))
+    store.append(keys, values, 0, token_valid)
+    info = ModelInfo(ARCHITECTURES["llama"], 1, kv_heads * groups, kv_heads, dim, (None,))
+    step = LayerStep(module=None, layer_idx=0, info=info, query=query, first_position=length - 1,
+                     query_valid=None, store=store, scaling=scaling)
+    view = step.view
+    subset = ExactTopK(k).select(step)
+    assert subset is not None and subset.shape == (batch, kv_heads * groups, k)
+    out = attend(None, query, view.keys, view.values, None, scaling, subset=subset, key_valid=view.valid)
     assert out.shape == (batch, 1, kv_heads * groups, dim)
     for b in range(batch):
+        first = 3 if padded and b == 1 else 0
         for qh in range(kv_heads * groups):
             kh = qh // groups
-            logits = keys[b, kh] @ query[b, qh, 0] * scaling
+            logits = keys[b, kh, first:] @ query[b, qh, 0] * scaling
             top = torch.topk(logits, k).indices
+            # the selected dense-view slots hold exactly the top-k entries (by absolute position)
+            assert sorted(view.positions[b, kh, subset[b, qh]].tolist()) == sorted((top + first).tolist())
             probs = torch.softmax(logits[top], dim=0)
-            expected = probs @ values[b, kh, top]
+            expected = probs @ values[b, kh, first:][top]
             torch.testing.assert_close(out[b, 0, qh], expected, atol=1e-6, rtol=1e-5)
+    assert ExactTopK(length).select(step) is None  # k ≥ held: attend to everything
 
 
 # ------------------------------------------------------------------------ beam search and multi-turn

@@ -171,7 +171,7 @@ def test_cells_sharing_one_prefill_give_the_records_of_separate_cells(tiny, toke
 
 def test_cells_validate_every_policy_before_work(tiny, tokenizer):
     from kvsieve.eval.evaluate import evaluate_cells
-    from kvsieve.policies.base import PolicyConfigError
+    from kvsieve.policies import PolicyConfigError
 
     with pytest.raises(PolicyConfigError, match="window"):
         evaluate_cells(tiny, tokenizer, "vt", [("full", None, None), ("snapkv", 8, None)], 8, 0, 0)

@@ -105,6 +105,33 @@ def test_positions_sorted_unique_in_range(arch, model):
             assert int(positions[0]) >= 0 and int(positions[-1]) < seen
 
 
+@pytest.mark.parametrize("schedule", ["prefill", "decode"])
+def test_tova_default_keeps_one_set_per_layer(arch, model, schedule):
+    """TOVA's default ``heads="layer"`` (the official code): one score, the last query's attention averaged
+    over every query head of the layer, so all KV heads of a layer keep the same positions — after the
+    prompt and, under ``decode``, after every eviction step. ``heads="group"`` selects per KV head."""
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=14)
+    cache = kvsieve.KVCache(model, "tova", budget=8, schedule=schedule)
+    assert cache.policy.scorer.heads == "layer"
+    heads = cache.info.num_kv_heads
+
+    def check(step: int) -> None:
+        for layer in managed_layers(cache):
+            for b in range(ids.shape[0]):
+                first = cache.kept_positions(layer, b, 0)
+                for h in range(1, heads):
+                    assert torch.equal(cache.kept_positions(layer, b, h), first), (step, layer, b, h)
+
+    decode_loop(model, cache, ids, steps=4, after_step=check)
+    grouped = kvsieve.KVCache(model, "tova", budget=8, schedule=schedule, heads="group")
+    model(ids, past_key_values=grouped)
+    differs = any(
+        not torch.equal(grouped.kept_positions(layer, b, h), grouped.kept_positions(layer, b, 0))
+        for layer in managed_layers(grouped) for b in range(ids.shape[0]) for h in range(1, heads)
+    )
+    assert differs  # per-group selection really differs across heads, so the check above is not vacuous
+
+
 def cropped_reference(ref_model, ids, cache) -> DynamicCache:
     """Plain-transformers prefill of ``ids``, with each managed layer gathered to the kept positions."""
     dyn, _ = reference_cache(ref_model, ids)

@@ -14,10 +14,10 @@ from helpers import all_kept_positions, decode_loop, generate, left_pad, managed
 from transformers import DynamicCache
 
 import kvsieve
-from kvsieve.attention.step import LayerStep
-from kvsieve.cache.store import RaggedLayerStore
+from kvsieve.cache.store import LayerStore
+from kvsieve.engine.step import LayerStep
 from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
-from kvsieve.policies.restkv import RestKV
+from kvsieve.parts import OutputReconstruction
 from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
 from kvsieve.scores.smoothing import (
     adaptive_spatial_smoothing,
@@ -107,11 +107,43 @@ def test_ema_hand_computed():
     ],
 )
 def test_adaptive_window_eq_11_12(d_front, d_rear, width, shift):
-    w, s = adaptive_window(torch.tensor([d_front]), torch.tensor([d_rear]), 2000)
-    assert (int(w), int(s)) == (width, shift)
-    # A base kernel k widens the same way: W_s = k + 2⌊|ΔD|/β⌋, same shift.
-    w5, s5 = adaptive_window(torch.tensor([d_front]), torch.tensor([d_rear]), 2000, base=5)
+    front, rear = torch.tensor([d_front]), torch.tensor([d_rear])
+    for rule in ("sum", "max"):  # base 1: Eq. 11 as printed under both rules
+        w, s = adaptive_window(front, rear, 2000, rule=rule)
+        assert (int(w), int(s)) == (width, shift), rule
+    # rule="sum" (kvsieve ≤ 0.1): a base kernel k widens the same way: W_s = k + 2⌊|ΔD|/β⌋, same shift.
+    w5, s5 = adaptive_window(front, rear, 2000, base=5, rule="sum")
     assert (int(w5), int(s5)) == (width + 4, shift)
+    # rule="max" (default, the authors' code): W_s = max(k, 2⌊|ΔD|/β⌋ + 1), same shift.
+    w5, s5 = adaptive_window(front, rear, 2000, base=5, rule="max")
+    assert (int(w5), int(s5)) == (max(5, width), shift)
+    assert tuple(map(int, adaptive_window(front, rear, 2000, base=5))) == (int(w5), int(s5))  # the default
+
+
+@pytest.mark.parametrize(
+    ("d_front", "d_rear", "base", "width_max", "width_sum", "shift"),
+    [
+        (1000.0, 1000.0, 5, 5, 5, 0),  # ΔD = 0: both give the base kernel
+        (2900.0, 1000.0, 5, 5, 5, 0),  # |ΔD| = 1900 < β: equal (⌊0.95⌋ = 0)
+        (1000.0, 2999.0, 21, 21, 21, 0),  # |ΔD| = 1999 < β, RULER's k = 21: equal
+        (5000.0, 1000.0, 5, 5, 9, 2),  # ΔD = 4000: max(5, 2·2 + 1) = 5 vs 5 + 4 = 9
+        (1000.0, 9000.0, 5, 9, 13, -4),  # ΔD = -8000: max(5, 2·4 + 1) = 9 vs 5 + 8 = 13, trunc(-4)
+        (13000.0, 1000.0, 5, 13, 17, 6),  # ΔD = 12000: max(5, 13) = 13 vs 17
+        (7000.0, 1000.0, 21, 21, 27, 3),  # ΔD = 6000, k = 21: max(21, 7) = 21 vs 21 + 6 = 27
+    ],
+)
+def test_adaptive_window_max_rule_hand_computed(d_front, d_rear, base, width_max, width_sum, shift):
+    """``rule="max"``: ``W_s = max(k, 2⌊|ΔD|/β⌋ + 1)`` — equal to ``rule="sum"`` while ``|ΔD| < β``,
+    narrower above; the shift does not depend on the rule."""
+    front, rear = torch.tensor([d_front]), torch.tensor([d_rear])
+    w_max, s_max = adaptive_window(front, rear, 2000, base=base, rule="max")
+    w_sum, s_sum = adaptive_window(front, rear, 2000, base=base, rule="sum")
+    assert (int(w_max), int(s_max)) == (width_max, shift)
+    assert (int(w_sum), int(s_sum)) == (width_sum, shift)
+    assert int(w_max) <= int(w_sum)
+    assert (int(w_max) == int(w_sum)) == (abs(d_front - d_rear) < 2000)
+    with pytest.raises(ValueError, match="rule"):
+        adaptive_window(front, rear, 2000, base=base, rule="nope")
 
 
 def test_shifted_window_mean_eq_13():
@@ -175,6 +207,8 @@ def test_adaptive_spatial_smoothing_hand_computed():
     out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0)
     expected = torch.tensor([sum(m for m in range(j - 6, j + 1) if 0 <= m < n) / 7 for j in range(n)])
     torch.testing.assert_close(out[0, 0], expected)
+    out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0, rule="sum")
+    torch.testing.assert_close(out[0, 0], expected)  # base 1: the rules agree
     # β = 2000: |ΔD| < β, W_s = 1 and γ = trunc(-3/2000) = 0 — unchanged
     out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=2000.0)
     torch.testing.assert_close(out, smoothed)
@@ -182,9 +216,15 @@ def test_adaptive_spatial_smoothing_hand_computed():
     out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=2000.0, base=5)
     expected = torch.tensor([sum(m for m in range(j - 2, j + 3) if 0 <= m < n) / 5 for j in range(n)])
     torch.testing.assert_close(out[0, 0], expected)
-    # β = 1, base 5: W_s = 5 + 6 = 11, γ = -3: j averages E[j - 8 .. j + 2] over 11.
-    out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0, base=5)
+    # β = 1, base 5, rule="sum": W_s = 5 + 6 = 11, γ = -3: j averages E[j - 8 .. j + 2] over 11.
+    out = adaptive_spatial_smoothing(
+        smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0, base=5, rule="sum"
+    )
     expected = torch.tensor([sum(m for m in range(j - 8, j + 3) if 0 <= m < n) / 11 for j in range(n)])
+    torch.testing.assert_close(out[0, 0], expected)
+    # β = 1, base 5, rule="max" (default): W_s = max(5, 2·3 + 1) = 7, γ = -3: E[j - 6 .. j] over 7.
+    out = adaptive_spatial_smoothing(smoothed, indicator, torch.tensor([[1]]), candidates, beta=1.0, base=5)
+    expected = torch.tensor([sum(m for m in range(j - 6, j + 1) if 0 <= m < n) / 7 for j in range(n)])
     torch.testing.assert_close(out[0, 0], expected)
 
 
@@ -201,12 +241,12 @@ def synthetic_step(seed: int) -> tuple[LayerStep, torch.Tensor, torch.Tensor, to
     o_proj = torch.nn.Linear(Q_HEADS * D, HIDDEN, bias=False)
     with torch.no_grad():
         o_proj.weight.copy_(torch.randn(HIDDEN, Q_HEADS * D, generator=generator))
-    store = RaggedLayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
-    store.append(keys, values, torch.arange(N), None)
+    store = LayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
+    store.append(keys, values, 0, None)
     info = ModelInfo(ARCHITECTURES["llama"], 1, Q_HEADS, KV_HEADS, D, (None,))
     step = LayerStep(
         module=SimpleNamespace(o_proj=o_proj), layer_idx=0, info=info, query=query,
-        query_positions=torch.arange(N), query_valid=None, store=store, view=store.dense(), scaling=D**-0.5,
+        first_position=0, query_valid=None, store=store, scaling=D**-0.5,
     )
     logits = query.double() @ keys.double().repeat_interleave(GROUPS, dim=1).transpose(-1, -2) * D**-0.5
     causal = torch.ones(N, N, dtype=torch.bool).tril()
@@ -242,59 +282,118 @@ def reference_scores(indicator: torch.Tensor, alpha: float) -> torch.Tensor:
     return smoothed.view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
 
 
+def nominal(budget: int) -> torch.Tensor:
+    """The per-head budget ``(batch, kv_heads)`` the scorer receives (AWS's top-``B``)."""
+    return torch.full((BATCH, KV_HEADS), budget)
+
+
 def test_restkv_scores_follow_eq_7_and_9():
     step, attention, values, weight = synthetic_step(4)
-    policy = RestKV(budget=8, window=WINDOW, adaptive_smoothing=False, kernel_size=1)
+    scorer = OutputReconstruction(window=WINDOW, adaptive_smoothing=False, kernel_size=1)
+    assert scorer.order == "before" and scorer.width_rule == "max"  # the defaults
     expected = reference_scores(reference_indicator(attention, values, weight), 0.3)
-    raw = policy.raw_scores(step)
+    raw = scorer.raw(step, nominal(8))
     torch.testing.assert_close(raw.double(), expected, atol=1e-5, rtol=1e-4)
-    scores = policy.score(step)
+    scores = scorer.score(step, nominal(8))
     assert torch.isinf(scores[..., -WINDOW:]).all()
     torch.testing.assert_close(scores[..., :-WINDOW], raw[..., :-WINDOW])
 
 
-def test_restkv_ablations_and_aws_wiring():
+@pytest.mark.parametrize("width_rule", ["max", "sum"])
+def test_restkv_ablations_and_aws_wiring(width_rule):
     step, attention, values, weight = synthetic_step(5)
     indicator = reference_indicator(attention, values, weight)
-    no_ema = RestKV(budget=8, window=WINDOW, use_ema=False, adaptive_smoothing=False, kernel_size=1)
+    no_ema = OutputReconstruction(window=WINDOW, use_ema=False, adaptive_smoothing=False, kernel_size=1)
     masked = indicator.clone()
     masked[..., N - WINDOW :] = 0.0
     expected = masked.mean(dim=2).view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
-    torch.testing.assert_close(no_ema.raw_scores(step).double(), expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(no_ema.raw(step, nominal(8)).double(), expected, atol=1e-5, rtol=1e-4)
     # AWS with a small β (so it really shifts) equals Eq. 10–13 applied to the reference indicator
-    aws = RestKV(budget=6, window=WINDOW, beta=1.5)
+    aws = OutputReconstruction(window=WINDOW, beta=1.5, width_rule=width_rule)
     ema = reference_scores(indicator, 0.3)  # group mean taken after smoothing below
     per_head = masked[:, :, 0]
     for t in range(1, WINDOW):
         per_head = 0.3 * masked[:, :, t] + 0.7 * per_head
     prefix = torch.arange(N).view(1, 1, -1).expand(BATCH, Q_HEADS, N) < N - WINDOW
     k = torch.full((BATCH, Q_HEADS), 6)
-    smoothed = adaptive_spatial_smoothing(per_head, masked, k, prefix, 1.5, base=aws.kernel_size)
+    smoothed = adaptive_spatial_smoothing(per_head, masked, k, prefix, 1.5, base=aws.kernel_size, rule=width_rule)
     expected = smoothed.view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
     assert not torch.allclose(expected, ema)  # the small β did shift/widen some head
-    torch.testing.assert_close(aws.raw_scores(step).double(), expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(aws.raw(step, nominal(6)).double(), expected, atol=1e-5, rtol=1e-4)
     # without W_O: A/(1-A)·‖o - v‖
-    plain = RestKV(budget=8, window=WINDOW, use_output_projection=False, adaptive_smoothing=False, kernel_size=1)
+    plain = OutputReconstruction(window=WINDOW, use_output_projection=False, adaptive_smoothing=False, kernel_size=1)
     rows = attention[:, :, -WINDOW:]
     v = values.repeat_interleave(GROUPS, dim=1)
     distance = ((rows @ v).unsqueeze(3) - v.unsqueeze(2)).norm(dim=-1)
     expected = reference_scores(rows / (1 - rows) * distance, 0.3)
-    torch.testing.assert_close(plain.raw_scores(step).double(), expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(plain.raw(step, nominal(8)).double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def reference_after(attention, values, weight, alpha: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``order="after"`` from its definition (float64), per query head ``(b, q_heads, N)``, window entries 0.
+
+    ``a``: EMA over the window queries of their attention restricted to the prefix (not renormalised);
+    ``o = Σ_{j ∈ prefix} a_j v_j`` with the query head's KV values; ``s_j = a_j/(1-a_j)·‖(o - v_j) W_O^h‖₂``.
+    Also returns the window rows (ΔD's source in this mode).
+    """
+    rows = attention[:, :, -WINDOW:]
+    prefix = torch.arange(N) < N - WINDOW
+    restricted = rows * prefix.double()
+    a = restricted[:, :, 0]
+    for t in range(1, WINDOW):
+        a = alpha * restricted[:, :, t] + (1 - alpha) * a
+    scores = torch.zeros(BATCH, Q_HEADS, N, dtype=torch.float64)
+    for b in range(BATCH):
+        for h in range(Q_HEADS):
+            v = values[b, h // GROUPS]
+            w_o = weight[:, h * D : (h + 1) * D].T  # d × hidden
+            o = sum(a[b, h, j] * v[j] for j in range(N) if prefix[j])
+            for j in range(N):
+                if prefix[j]:
+                    scores[b, h, j] = a[b, h, j] / (1 - a[b, h, j]) * ((o - v[j]) @ w_o).norm()
+    return scores, rows
+
+
+def test_restkv_order_after_matches_its_definition():
+    """``order="after"`` (the authors' ``metric_mode="after"``): EMA of the prefix attention first, then one
+    reconstruction score against ``o = Σ_prefix a_j v_j``; reduced by the mean over each GQA group."""
+    step, attention, values, weight = synthetic_step(6)
+    per_head, rows = reference_after(attention, values, weight)
+    scorer = OutputReconstruction(window=WINDOW, order="after", adaptive_smoothing=False, kernel_size=1)
+    expected = per_head.view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
+    raw = scorer.raw(step, nominal(8))
+    torch.testing.assert_close(raw.double(), expected, atol=1e-5, rtol=1e-4)
+    assert (raw[..., N - WINDOW :] == 0).all()
+    scores = scorer.score(step, nominal(8))
+    assert torch.isinf(scores[..., -WINDOW:]).all()
+    torch.testing.assert_close(scores[..., :-WINDOW], raw[..., :-WINDOW])
+    before = OutputReconstruction(window=WINDOW, adaptive_smoothing=False, kernel_size=1).raw(step, nominal(8))
+    assert not torch.allclose(raw, before, atol=1e-4)  # a different score, not a relabelling
+    # with AWS (small β so it really shifts): the same smoothing, ΔD from each query's attention row
+    aws = OutputReconstruction(window=WINDOW, order="after", beta=1.5)
+    prefix = torch.arange(N).view(1, 1, -1).expand(BATCH, Q_HEADS, N) < N - WINDOW
+    k = torch.full((BATCH, Q_HEADS), 6)
+    smoothed = adaptive_spatial_smoothing(per_head, rows, k, prefix, 1.5, base=aws.kernel_size, rule="max")
+    expected = smoothed.view(BATCH, KV_HEADS, GROUPS, N).mean(dim=2)
+    torch.testing.assert_close(aws.raw(step, nominal(6)).double(), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_restkv_validation():
     for params in (
         {"alpha": 0.0}, {"alpha": 1.5}, {"beta": 0}, {"kernel_size": 4}, {"indicator": "nope"},
-        {"use_ema": 1}, {"window": 9},
+        {"use_ema": 1}, {"window": 9}, {"width_rule": "nope"}, {"order": "nope"},
+        {"order": "after", "indicator": "vatp"},
     ):
         with pytest.raises(kvsieve.PolicyConfigError):
-            RestKV(budget=8, **params)
+            kvsieve.make_policy("restkv", **{"budget": 8, "window": 4, **params})
+    for params in ({}, {"width_rule": "sum"}, {"order": "after"}, {"window": 8}):
+        kvsieve.make_policy("restkv", **{"budget": 8, "window": 4, **params})  # each case above alone is the error
     with pytest.raises(kvsieve.PolicyConfigError, match="pyramid_beta"):
         kvsieve.make_policy("pyramid_restkv", budget=8, window=4, pyramid_beta=0)
     with pytest.raises(kvsieve.PolicyConfigError, match="floor_alpha"):
         kvsieve.make_policy("ada_restkv", budget=8, window=4, floor_alpha=2.0)
     with pytest.raises(kvsieve.PolicyConfigError, match="schedule"):
-        RestKV(budget=8, schedule="decode")
+        kvsieve.make_policy("restkv", budget=8, window=4, schedule="decode")
     assert {"restkv", "pyramid_restkv", "ada_restkv"} <= set(kvsieve.list_policies())
 
 
@@ -315,7 +414,9 @@ def make_cache(model, case: str, budget: int = BUDGET) -> kvsieve.KVCache:
 
 
 def layer_budgets(cache: kvsieve.KVCache) -> list[int]:
-    return [cache.policy.layer_budget(i, cache.info.num_layers) for i in range(cache.info.num_layers)]
+    p = cache.policy
+    window = p.scorer.protected_window()
+    return [p.allocator.layer_budget(p.budget, i, cache.info.num_layers, window) for i in range(cache.info.num_layers)]
 
 
 @pytest.mark.parametrize("case", list(POLICIES))

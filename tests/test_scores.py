@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsieve.attention.step import LayerStep
-from kvsieve.cache.store import RaggedLayerStore
+import kvsieve
+from kvsieve.cache.store import LayerStore, SideSpec
+from kvsieve.engine.step import LayerStep
 from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
-from kvsieve.policies.h2o import ACCUMULATOR, H2O
-from kvsieve.policies.snapkv import SnapKV
-from kvsieve.policies.streaming_llm import StreamingLLM
-from kvsieve.policies.tova import TOVA
+from kvsieve.parts import AccumulatedAttention, LastQueryAttention, Scorer, Sinks, WindowAttention
+from kvsieve.parts.scorers.h2o import ACCUMULATOR
 
 BATCH, Q_HEADS, KV_HEADS, N, D = 2, 4, 2, 20, 8
 GROUPS = Q_HEADS // KV_HEADS
@@ -27,18 +26,17 @@ def make_step(seed: int = 0) -> tuple[LayerStep, torch.Tensor]:
     query = torch.randn(BATCH, Q_HEADS, N, D, generator=generator)
     keys = torch.randn(BATCH, KV_HEADS, N, D, generator=generator)
     values = torch.randn(BATCH, KV_HEADS, N, D, generator=generator)
-    store = RaggedLayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
-    store.append(keys, values, torch.arange(N), None)
+    store = LayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
+    store.append(keys, values, 0, None)
     info = ModelInfo(ARCHITECTURES["llama"], 1, Q_HEADS, KV_HEADS, D, (None,))
     step = LayerStep(
         module=None,
         layer_idx=0,
         info=info,
         query=query,
-        query_positions=torch.arange(N),
+        first_position=0,
         query_valid=None,
         store=store,
-        view=store.dense(),
         scaling=SCALE,
     )
     logits = query @ keys.repeat_interleave(GROUPS, dim=1).transpose(-1, -2) * SCALE
@@ -51,31 +49,64 @@ def group_mean(scores: torch.Tensor) -> torch.Tensor:
     return scores.view(BATCH, KV_HEADS, GROUPS, -1).mean(dim=2)
 
 
+def nominal(budget: int) -> torch.Tensor:
+    """The per-head budget ``(batch, kv_heads)`` a uniform allocator hands the scorer."""
+    return torch.full((BATCH, KV_HEADS), budget)
+
+
+def observe(scorer: Scorer, step: LayerStep) -> None:
+    """Apply the scorer's side-data updates to the step's store, as the engine does."""
+    for name, update in scorer.observe(step).items():
+        step.store.ensure_side(next(spec for spec in scorer.side() if spec.name == name))
+        step.store.add_dense(name, update)
+
+
 def test_h2o_accumulates_column_sums_of_all_queries():
     step, attention = make_step(1)
-    H2O(budget=8).observe(step)
+    scorer = AccumulatedAttention()
+    assert scorer.side() == (SideSpec(ACCUMULATOR),)
+    updates = scorer.observe(step)
+    assert set(updates) == {ACCUMULATOR} and updates[ACCUMULATOR].shape == (BATCH, KV_HEADS, N)
+    observe(scorer, step)
     accumulated = step.store.dense().extras[ACCUMULATOR]
     torch.testing.assert_close(accumulated, group_mean(attention.sum(dim=2)), atol=1e-5, rtol=1e-5)
+    assert step.view.extras[ACCUMULATOR] is accumulated  # the step reads the store's current view
 
 
 def test_h2o_score_protects_recent_share_of_budget():
     step, attention = make_step(2)
-    policy = H2O(budget=8, recent_ratio=0.5)
-    policy.observe(step)
-    scores = policy.score(step)
+    scorer = kvsieve.make_policy("h2o", budget=8, recent_ratio=0.5).scorer
+    assert isinstance(scorer, AccumulatedAttention) and scorer.recent_ratio == 0.5
+    observe(scorer, step)
+    scores = scorer.score(step, nominal(8))
     assert torch.isinf(scores[..., -4:]).all()
     torch.testing.assert_close(scores[..., :-4], group_mean(attention.sum(dim=2))[..., :-4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scorer.raw(step, nominal(8)), group_mean(attention.sum(dim=2)), atol=1e-5, rtol=1e-5)
 
 
-def test_tova_scores_last_query_row():
+def test_tova_group_scores_last_query_row():
+    """``heads="group"`` (kvsieve ≤ 0.1): the last query's row averaged over each GQA group."""
     step, attention = make_step(3)
-    scores = TOVA(budget=8).score(step)
+    scores = LastQueryAttention(heads="group").score(step, nominal(8))
     torch.testing.assert_close(scores, group_mean(attention[:, :, -1]), atol=1e-6, rtol=1e-5)
+
+
+def test_tova_default_scores_last_query_row_averaged_over_the_layer():
+    """The official reading (default ``heads="layer"``): the last query's row averaged over *all* query
+    heads of the layer — the same score for every KV head; nothing is protected."""
+    step, attention = make_step(3)
+    scorer = kvsieve.make_policy("tova", budget=8).scorer
+    assert isinstance(scorer, LastQueryAttention) and scorer.heads == "layer"
+    scores = scorer.score(step, nominal(8))
+    expected = attention[:, :, -1].mean(dim=1, keepdim=True).expand(BATCH, KV_HEADS, N)
+    torch.testing.assert_close(scores, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(scores[:, :1].expand_as(scores), scores)
+    assert not torch.allclose(scores, group_mean(attention[:, :, -1]), atol=1e-4)  # differs from per-group
 
 
 def test_streaming_llm_scores_sinks_then_recency():
     step, _ = make_step(4)
-    scores = StreamingLLM(budget=8).score(step)
+    scores = Sinks().score(step, nominal(8))
     assert torch.isinf(scores[..., :4]).all()
     assert bool((scores[..., 5:] > scores[..., 4:-1]).all())
 
@@ -88,7 +119,9 @@ def test_snapkv_scores_match_reference_code(kernel_size):
     the last ``kernel_size // 2`` prefix entries, biasing selection towards tokens next to the window."""
     window = 4
     step, attention = make_step(5)
-    scores = SnapKV(budget=8, window=window, kernel_size=kernel_size).score(step)
+    scorer = kvsieve.make_policy("snapkv", budget=8, window=window, kernel_size=kernel_size).scorer
+    assert scorer == WindowAttention(window=window, kernel_size=kernel_size)
+    scores = scorer.score(step, nominal(8))
     votes = attention[:, :, -window:, :-window].sum(dim=-2)
     pooled = F.avg_pool1d(votes, kernel_size, stride=1, padding=kernel_size // 2, count_include_pad=True)
     expected = group_mean(pooled)

@@ -1,17 +1,17 @@
-"""Unit tests of ``RaggedLayerStore``: append / keep / dense / select_batch round trips."""
+"""Unit tests of ``LayerStore``: append / keep / dense / select_batch round trips."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvsieve.cache.store import GROWTH, RaggedLayerStore
+from kvsieve.cache.store import GROWTH, LayerStore
 
 B, H, D = 2, 3, 4
 
 
-def make_store() -> RaggedLayerStore:
-    return RaggedLayerStore(B, H, D, torch.float32, torch.device("cpu"))
+def make_store() -> LayerStore:
+    return LayerStore(B, H, D, torch.float32, torch.device("cpu"))
 
 
 def kv(q: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,7 +19,7 @@ def kv(q: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(B, H, q, D, generator=generator), torch.randn(B, H, q, D, generator=generator)
 
 
-def segment(store: RaggedLayerStore, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def segment(store: LayerStore, b: int, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s = b * store.heads + h
     start, length = int(store.start[s]), int(store.length[s])
     return (
@@ -42,8 +42,8 @@ def test_empty_store():
 def test_uniform_append_dense_is_zero_copy_view():
     store = make_store()
     keys, values = kv(5)
-    store.append(keys, values, torch.arange(5), None)
-    assert store.is_uniform()
+    store.append(keys, values, 0, None)
+    assert store.is_uniform
     view = store.dense()
     assert view.valid is None
     assert torch.equal(view.keys, keys) and torch.equal(view.values, values)
@@ -59,9 +59,9 @@ def test_append_grows_with_slack_and_preserves_entries():
     store = make_store()
     k1, v1 = kv(3, seed=1)
     k2, v2 = kv(1, seed=2)
-    store.append(k1, v1, torch.arange(3), None)
+    store.append(k1, v1, 0, None)
     assert (store.capacity == 3 + GROWTH).all()
-    store.append(k2, v2, torch.tensor([3]), None)  # fits in the slack: no relayout
+    store.append(k2, v2, 3, None)  # fits in the slack: no relayout
     assert (store.capacity == 3 + GROWTH).all()
     view = store.dense()
     assert torch.equal(view.keys, torch.cat([k1, k2], dim=2))
@@ -74,7 +74,7 @@ def test_ragged_append_skips_padding():
     store = make_store()
     keys, values = kv(4, seed=3)
     valid = torch.tensor([[False, True, True, True], [False, False, False, True]])
-    store.append(keys, values, torch.arange(4), valid)
+    store.append(keys, values, 0, valid)
     assert store.lengths().tolist() == [[3] * H, [1] * H]
     for h in range(H):
         k, v, p = segment(store, 0, h)
@@ -90,7 +90,7 @@ def test_ragged_append_skips_padding():
     assert torch.equal(view.positions[0, 0], torch.tensor([1, 2, 3]))
     # a second ragged append lands after each segment's own entries
     k2, v2 = kv(1, seed=4)
-    store.append(k2, v2, torch.tensor([4]), None)
+    store.append(k2, v2, 4, None)
     assert store.lengths().tolist() == [[4] * H, [2] * H]
     k, _, p = segment(store, 1, 2)
     assert p.tolist() == [3, 4]
@@ -100,7 +100,7 @@ def test_ragged_append_skips_padding():
 def test_keep_copies_exact_entries_and_shrinks_capacity():
     store = make_store()
     keys, values = kv(6, seed=5)
-    store.append(keys, values, torch.arange(10, 16), None)
+    store.append(keys, values, 10, None)
     counts = torch.tensor([2, 0, 3, 1, 6, 4])
     local = torch.full((B * H, 6), 6, dtype=torch.long)  # filler past counts is ignored
     choices = [[1, 4], [], [0, 2, 5], [3], [0, 1, 2, 3, 4, 5], [0, 1, 4, 5]]
@@ -121,7 +121,7 @@ def test_keep_copies_exact_entries_and_shrinks_capacity():
     assert torch.equal(view.keys[0, 2][:3], keys[0, 2, [0, 2, 5]])
     # appending after a ragged keep relayouts and keeps everything in place
     k2, v2 = kv(1, seed=6)
-    store.append(k2, v2, torch.tensor([16]), None)
+    store.append(k2, v2, 16, None)
     for s, chosen in enumerate(choices):
         b, h = divmod(s, H)
         k, _, p = segment(store, b, h)
@@ -132,11 +132,11 @@ def test_keep_copies_exact_entries_and_shrinks_capacity():
 def test_keep_everything_removed_then_append():
     store = make_store()
     keys, values = kv(3, seed=7)
-    store.append(keys, values, torch.arange(3), None)
+    store.append(keys, values, 0, None)
     store.keep(torch.zeros(B * H, 0, dtype=torch.long), torch.zeros(B * H, dtype=torch.long))
     assert int(store.lengths().sum()) == 0 and store.keys.shape[0] == 0
     k2, v2 = kv(2, seed=8)
-    store.append(k2, v2, torch.tensor([3, 4]), None)
+    store.append(k2, v2, 3, None)
     assert torch.equal(store.dense().keys, k2)
     assert torch.equal(store.dense().positions[0, 0], torch.tensor([3, 4]))
 
@@ -144,10 +144,10 @@ def test_keep_everything_removed_then_append():
 def test_uniform_keep_gives_uniform_view():
     store = make_store()
     keys, values = kv(5, seed=9)
-    store.append(keys, values, torch.arange(5), None)
+    store.append(keys, values, 0, None)
     local = torch.tensor([[0, 2, 4]] * (B * H))
     store.keep(local, torch.full((B * H,), 3))
-    assert store.is_uniform()
+    assert store.is_uniform
     view = store.dense()
     assert view.valid is None
     assert torch.equal(view.keys, keys[:, :, [0, 2, 4]])
@@ -158,7 +158,7 @@ def test_select_batch_reorders_and_repeats(index):
     store = make_store()
     keys, values = kv(4, seed=10)
     valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
-    store.append(keys, values, torch.arange(4), valid)
+    store.append(keys, values, 0, valid)
     store.ensure_extra("acc")
     store.add_dense("acc", torch.arange(B * H * 4, dtype=torch.float32).view(B, H, 4))
     before = {(b, h): segment(store, b, h) for b in range(B) for h in range(H)}
@@ -178,7 +178,7 @@ def test_select_batch_reorders_and_repeats(index):
 def test_extras_follow_entries_and_start_at_zero():
     store = make_store()
     keys, values = kv(3, seed=11)
-    store.append(keys, values, torch.arange(3), None)
+    store.append(keys, values, 0, None)
     store.ensure_extra("acc")
     store.add_dense("acc", torch.ones(B, H, 3))
     store.add_dense("acc", torch.arange(3, dtype=torch.float32).expand(B, H, 3))
@@ -186,7 +186,7 @@ def test_extras_follow_entries_and_start_at_zero():
     store.ensure_extra("acc", fill=9.0)  # already present: untouched
     assert torch.equal(store.dense().extras["acc"][0, 0], torch.tensor([1.0, 2.0, 3.0]))
     k2, v2 = kv(1, seed=12)
-    store.append(k2, v2, torch.tensor([3]), None)
+    store.append(k2, v2, 3, None)
     assert store.dense().extras["acc"][..., -1].eq(0).all()
     store.keep(torch.tensor([[1, 3]] * (B * H)), torch.full((B * H,), 2))
     assert torch.equal(store.dense().extras["acc"], torch.tensor([2.0, 0.0]).expand(B, H, 2))
@@ -197,7 +197,7 @@ def test_add_dense_on_ragged_store():
     store = make_store()
     keys, values = kv(3, seed=13)
     valid = torch.tensor([[True, True, True], [False, False, True]])
-    store.append(keys, values, torch.arange(3), valid)
+    store.append(keys, values, 0, valid)
     store.ensure_extra("acc")
     view = store.dense()
     update = torch.arange(B * H * 3, dtype=torch.float32).view(B, H, 3)
@@ -216,7 +216,7 @@ def test_keep_positions_after():
     store = make_store()
     keys, values = kv(6, seed=14)
     valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
-    store.append(keys, values, torch.arange(6), valid)
+    store.append(keys, values, 0, valid)
     store.keep_positions_after(3)
     assert store.lengths().tolist() == [[3] * H, [3] * H]
     for h in range(H):
@@ -225,3 +225,37 @@ def test_keep_positions_after():
     before = store.keys.clone()
     store.keep_positions_after(0)  # nothing to drop: no change
     assert torch.equal(store.keys, before)
+
+
+def test_dense_view_is_cached_until_the_next_mutation():
+    store = make_store()
+    keys, values = kv(4, seed=15)
+    valid = torch.tensor([[True] * 4, [False, True, True, True]])
+    store.append(keys, values, 0, valid)
+    view = store.dense()
+    assert store.dense() is view  # no mutation: the same object, no second gather
+    store.ensure_extra("acc")
+    with_side = store.dense()
+    assert with_side is not view and "acc" in with_side.extras
+    store.add_dense("acc", torch.ones(B, H, 4))
+    assert store.dense() is not with_side and store.dense().extras["acc"][0].eq(1).all()
+    k2, v2 = kv(1, seed=16)
+    before_append = store.dense()
+    store.append(k2, v2, 4, None)
+    after = store.dense()
+    assert after is not before_append and after.keys.shape[2] == 5
+    assert torch.equal(after.keys[1, :, 3], k2[1, :, 0])  # row 1 holds 3 + 1 entries, in order
+
+
+def test_keep_returns_the_kept_source_rows():
+    store = make_store()
+    keys, values = kv(5, seed=17)
+    store.append(keys, values, 0, None)
+    start = store.start.clone()
+    old_keys = store.keys.clone()
+    local = torch.tensor([[0, 2, 4], [1, 3, 0], [4, 0, 0], [0, 1, 2], [2, 0, 0], [3, 4, 0]])
+    counts = torch.tensor([3, 2, 1, 3, 1, 2])
+    rows = store.keep(local, counts)
+    expected = torch.cat([start[s] + local[s, : int(counts[s])] for s in range(B * H)])
+    assert torch.equal(rows, expected)
+    assert torch.equal(store.keys, old_keys[rows])  # the kept entries, in order, are those source rows

@@ -133,11 +133,18 @@ def test_policy_object_is_accepted(model):
 
 
 def test_policy_objects_validate_on_construction():
-    from kvsieve.policies.snapkv import SnapKV
+    from kvsieve.parts import WindowAttention
 
     with pytest.raises(PolicyConfigError):
-        SnapKV(budget=8, window=9)
-    assert str(SnapKV(budget=8, window=4)).startswith("snapkv(budget=8")
+        kvsieve.make_policy("snapkv", budget=8, window=9)
+    with pytest.raises(PolicyConfigError, match="window"):
+        kvsieve.Policy(scorer=WindowAttention(window=9), budget=8, name="snapkv")
+    with pytest.raises(PolicyConfigError, match="window"):
+        WindowAttention(window=-1)
+    assert str(kvsieve.make_policy("snapkv", budget=8, window=4)).startswith("snapkv(budget=8")
+    assert str(kvsieve.Policy(scorer=WindowAttention(window=4), budget=8, name="snapkv")).startswith(
+        "snapkv(budget=8"
+    )
 
 
 def test_wrong_batch_size_raises_and_leaves_cache_unchanged(arch, model):

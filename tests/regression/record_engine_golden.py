@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import math
 import platform
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,10 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from conftest import ARCHS, build_model  # noqa: E402  (also sets torch.set_num_threads(1))
-from regression import engine_cases as ec  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import kvsieve  # noqa: E402
+from regression import engine_cases as ec  # noqa: E402
 
 
 def _git_state(path: Path) -> dict[str, Any]:
@@ -52,6 +55,60 @@ def _git_state(path: Path) -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         return {}
     return {"commit": head, "src_dirty": bool(dirty)}
+
+
+class CutProbe:
+    """Smallest relative score gap at the eviction cut of every compaction (diagnostic, best effort).
+
+    Wraps the recorded tree's ``KVCache.compact(layer, step)`` (an internal of the engine being recorded;
+    when it is missing nothing is measured) and, before each compaction, re-scores and compares, within
+    every head that loses entries, the lowest kept score with the highest evicted one. A gap of 0 means
+    equal scores straddle the cut: the kept set then depends on ``torch.topk``'s tie-breaking, and an
+    engine whose scores differ by one ulp may keep other entries. (AdaKV's cross-head allocation is not
+    covered.)
+    """
+
+    def __init__(self) -> None:
+        self.original = getattr(kvsieve.KVCache, "compact", None)
+        self.gap = math.inf
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        self.gap = math.inf
+        if self.original is None:
+            yield
+            return
+        original, probe = self.original, self
+
+        def compact(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                _, step = args
+                scores = cache.policy.score(step)
+                probe.update(scores, cache.policy.allocate(scores, step))
+            except Exception:  # another engine's internals: measure nothing, change nothing
+                probe.original = None
+            return original(cache, *args, **kwargs)
+
+        kvsieve.KVCache.compact = compact
+        try:
+            yield
+        finally:
+            kvsieve.KVCache.compact = original
+
+    def update(self, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        flat = scores.detach().float().reshape(-1, scores.shape[-1]).sort(-1, descending=True).values
+        for row, count in zip(flat, counts.reshape(-1).tolist(), strict=True):
+            valid = int((row > -math.inf).sum())
+            if not 0 < count < valid:
+                continue
+            kept, evicted = float(row[count - 1]), float(row[count])
+            if kept == evicted:
+                self.gap = 0.0
+            elif math.isfinite(kept):
+                self.gap = min(self.gap, (kept - evicted) / max(abs(kept), abs(evicted), 1e-30))
+
+    def result(self) -> float | None:
+        return None if self.original is None or math.isinf(self.gap) else self.gap
 
 
 def _run(model: torch.nn.Module, case: dict[str, Any], **kwargs: Any) -> list[ec.Track]:
@@ -73,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvsieve from {kvsieve_dir}", flush=True)
     models = {arch: build_model(arch) for arch in ARCHS}
     cases = [c for c in ec.build_cases() if args.only is None or args.only in c["id"]]
+    probe = CutProbe()
 
     recorded: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -81,16 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         results: dict[str, list[ec.Track]] = {}
         errors: dict[str, str] = {}
+        gaps: dict[str, float | None] = {}
         for arch in ARCHS:
             try:
-                results[arch] = _run(models[arch], case)
+                with probe.watch():
+                    results[arch] = _run(models[arch], case)
+                gaps[arch] = probe.result()
             except Exception as err:  # a case that raises in the recorded tree is left out
                 errors[arch] = f"{type(err).__name__}: {err}"
         if errors:
             skipped.append({"id": case["id"], "members": case["members"], "archs": sorted(errors), "errors": errors})
         if not results:
             continue
-        case = {**case, "tracks": {}}
+        case = {**case, "tracks": {}, "cut_gap": {arch: gaps[arch] for arch in results}}
         for arch, tracks in results.items():
             case["tracks"][arch] = track_no
             track_no += len(tracks)
@@ -135,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "block_size": ec.BLOCK,
             "ratio": ec.RATIO,
             "logits_atol": ec.LOGITS_ATOL,
-            "logits_stored_at": "every multi-token forward and the last forward (greedy tokens and fingerprints: every forward)",
+            "logits_stored_at": "every multi-token forward and the last one (tokens, fingerprints: every forward)",
         },
         "archs": list(ARCHS),
         "arch_shapes": _arch_shapes(models),
@@ -144,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             "case_arch_pairs": sum(len(c["tracks"]) for c in recorded),
             "per_kind": dict(sorted(kinds.items())),
             "skipped": len(skipped),
+            "ties_at_cut": sorted(
+                f"{arch}/{c['id']}" for c in recorded for arch, gap in c["cut_gap"].items() if gap == 0.0
+            ),
         },
         "skipped": skipped,
         "cases": recorded,
@@ -161,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for kind, n in sorted(kinds.items()):
         print(f"  {kind}: {n}")
+    ties = meta["counts"]["ties_at_cut"]
+    print(f"  {len(ties)} case×arch with equal scores at an eviction cut (topk tie-breaking): {', '.join(ties)}")
     for s in skipped:
         print(f"  skipped {s['id']} on {','.join(s['archs'])}: {next(iter(s['errors'].values()))}")
     return 0
