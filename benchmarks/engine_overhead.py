@@ -32,7 +32,9 @@ Goals: decode snapkv ≤ 1.05 at every batch size, adakv ≤ 1.10; prefill snapk
 restkv/snapkv ≤ 1.05. The JSON (``benchmarks/results/engine_overhead.json``) records the CPU, whether bf16
 is native there (``avx512_bf16`` / ``amx_bf16``), the dtype (bfloat16 where native, else float32 — said so in
 ``dtype_note``), threads, torch / transformers versions, the kvsieve source and its git commit, every
-median, ratio and raw sample, and each goal with a pass/fail flag.
+median, ratio, raw sample and sample spread, the load averages before and after each phase (other work
+on the machine scatters the timings: interleaving protects the ratios only partly), and each goal with a
+pass/fail flag.
 
 ``--profile [torch|cprofile]`` instead profiles ``--profile-steps`` (32) decoding steps of snapkv (and,
 for contrast, of the plain DynamicCache) at batch 1 and prints the top entries, so overheads outside
@@ -142,6 +144,20 @@ def kvsieve_source() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (other work on the machine inflates and scatters timings)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Quartiles and extremes of timing samples (a wide spread means a noisy machine)."""
+    q1, q2, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return {"p25": q1, "median": q2, "p75": q3, "min": min(values), "max": max(values)}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -262,6 +278,7 @@ def measure_decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.T
     states[DYNAMIC], build_s[DYNAMIC] = build_state(plain, DYNAMIC, settings.budget, short_ids)
     entries[DYNAMIC] = entries_per_head(states[DYNAMIC].cache)
     order = [DYNAMIC, *settings.decode_policies]
+    load_before = load_average()
     times = interleaved_decode({name: states[name] for name in order}, settings.rounds, settings.steps,
                                settings.warmup)
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -276,6 +293,8 @@ def measure_decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.T
         "prompt_tokens": {**{p: settings.tokens for p in settings.decode_policies}, DYNAMIC: settings.budget},
         "build_prefill_s": build_s,
         "samples_per_config": len(times[DYNAMIC]),
+        "spread_s": {name: spread(values) for name, values in times.items()},
+        "load_average_before_after": [load_before, load_average()],
         "samples_ms": {name: [round(1000 * v, 4) for v in values] for name, values in times.items()},
     }
 
@@ -289,6 +308,7 @@ def measure_prefill(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.
     for name in names:  # untimed: kernels and allocator warm for every path
         build_state(plain if name == PLAIN else model, name, settings.budget, warm, settings.policy_params.get(name))
     times: dict[str, list[float]] = {name: [] for name in names}
+    load_before = load_average()
     for rep in range(settings.prefill_repeats):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
@@ -300,7 +320,9 @@ def measure_prefill(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.
     ratios = {"snapkv_over_plain": medians["snapkv"] / medians[PLAIN],
               "restkv_over_snapkv": medians["restkv"] / medians["snapkv"]}
     return {"prompt_tokens": settings.prefill_tokens, "batch": 1, "repeats": settings.prefill_repeats,
-            "median_s": medians, "ratios": ratios, "samples_s": times}
+            "median_s": medians, "ratios": ratios, "samples_s": times,
+            "spread_s": {name: spread(values) for name, values in times.items()},
+            "load_average_before_after": [load_before, load_average()]}
 
 
 def goals(decode: dict[str, dict[str, Any]], prefill: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -447,15 +469,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         "benchmark": "engine_overhead", "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
         "dtype_note": dtype_note, "cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(), "kvsieve": kvsieve_source(),
+        "load_average_at_start": load_average(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     print(json.dumps(meta, indent=2), flush=True)
+    load = meta["load_average_at_start"]
+    if load is not None and load[0] > 0.5:
+        print(f"warning: load average {load[0]} at start: other work on this machine scatters the timings "
+              "(see load_average_* and spread_s in the JSON)", flush=True)
     if args.profile:
         print(profile_decode(model, pool, settings, args.profile_steps, args.profile))
         return
     result = run_benchmark(model, pool, settings, prefill=not args.no_prefill,
                            log=lambda line: print(line, flush=True))
-    result = {**meta, **result, "wall_s": time.perf_counter() - started}
+    result = {**meta, **result, "load_average_at_end": load_average(), "wall_s": time.perf_counter() - started}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     summary = {
