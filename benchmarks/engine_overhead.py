@@ -402,7 +402,12 @@ def profile_decode(model: torch.nn.Module, pool: torch.Tensor, settings: Setting
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     decode(state, cache, steps)
                 profiled_ms = 1000 * (time.perf_counter() - started) / steps
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+                averages = prof.key_averages()
+                table = averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+                counts = sorted(((e.count, e.key) for e in averages if e.key.startswith("aten::")), reverse=True)
+                total = sum(count for count, _ in counts)
+                table += (f"\naten operator calls per step: {total / steps:.0f} (robust to other load); most called: "
+                          + ", ".join(f"{key} {count / steps:.0f}" for count, key in counts[:12]) + "\n")
             else:
                 profiler = cProfile.Profile()
                 profiler.enable()

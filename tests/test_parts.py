@@ -177,7 +177,7 @@ def test_merging_identical_copies_equals_attending_to_every_copy():
     torch.testing.assert_close(view.keys[0, 0, 3], centre_k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(view.values[0, 0, 3], centre_v, atol=1e-6, rtol=1e-6)
     bias = view.extras[MERGE_COUNT].log()
-    mask = output_mask(torch.tensor([8]), view.positions, None, None, 1, bias, newest_query=True)
+    mask = output_mask(lambda: torch.tensor([8]), lambda: view.positions, None, None, 1, bias, newest_query=True)
     merged = attend(module, query, view.keys, view.values, mask, d**-0.5)
     torch.testing.assert_close(merged, dense, atol=1e-6, rtol=1e-6)
 

@@ -16,6 +16,8 @@ rows in float32, only for the queries a scorer needs, blockwise, never an N×N m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -45,8 +47,8 @@ def visibility_mask(
 
 
 def output_mask(
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
+    query_positions: Callable[[], torch.Tensor],
+    key_positions: Callable[[], torch.Tensor],
     key_valid: torch.Tensor | None,
     sliding_window: int | None,
     groups: int,
@@ -56,7 +58,8 @@ def output_mask(
 ) -> torch.Tensor | None:
     """The SDPA mask ``(batch, q_heads, q, n)`` for attending to held entries; None when all are visible.
 
-    ``newest_query``: a single decoding query at the newest position, which sees every held entry, so
+    ``query_positions``/``key_positions`` are read only when needed (callables), so a decoding step of a
+    ragged layer gathers no positions. ``newest_query``: a single decoding query at the newest position, which sees every held entry, so
     only validity (and the sliding window) matter. A query that would see nothing (a padding query) sees
     every real entry instead, so no row is empty (its output is discarded). With ``bias`` the mask is
     float: ``bias`` where visible, ``-inf`` elsewhere.
@@ -65,7 +68,13 @@ def output_mask(
         if bias is None:
             return None
         return bias.unsqueeze(-2).to(dtype).repeat_interleave(groups, dim=1)
-    mask = visibility_mask(query_positions, key_positions, key_valid, sliding_window)
+    if newest_query and sliding_window is None:
+        assert key_valid is not None  # every held entry is at or before the newest query: validity is visibility
+        mask = key_valid.unsqueeze(-2)
+        if bias is not None:
+            mask = torch.where(mask, bias.unsqueeze(-2).to(dtype), torch.tensor(float("-inf"), dtype=dtype))
+        return mask.repeat_interleave(groups, dim=1)
+    mask = visibility_mask(query_positions(), key_positions(), key_valid, sliding_window)
     empty_row = ~mask.any(dim=-1, keepdim=True)
     fallback = empty_row if key_valid is None else empty_row & key_valid.unsqueeze(-2)
     mask = mask | fallback

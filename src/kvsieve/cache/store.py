@@ -24,7 +24,8 @@ trailing shape that move with their entries. :class:`StoreHook` objects (e.g. pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,19 +33,46 @@ import torch
 GROWTH = 64
 
 
-@dataclass
 class DenseView:
-    """Padded ``(batch, heads, L, ...)`` view of a layer store; ``valid`` is None when nothing is padded."""
+    """Padded ``(batch, heads, L, ...)`` view of a layer store; ``valid`` is None when nothing is padded.
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor | None
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    Keys and values are materialised at once; positions and side data only when read (a ragged decoding
+    step that needs neither gathers two buffers, not all of them).
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        extras: dict[str, torch.Tensor] | None = None,
+        fetch: Callable[[str], torch.Tensor] | None = None,
+        side_names: tuple[str, ...] = (),
+    ):
+        self.keys, self.values, self.valid = keys, values, valid
+        self._positions = positions
+        self._extras = extras
+        self._fetch = fetch
+        self._side_names = side_names
 
     @property
     def length(self) -> int:
         return self.keys.shape[2]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            assert self._fetch is not None
+            self._positions = self._fetch("positions")
+        return self._positions
+
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        if self._extras is None:
+            assert self._fetch is not None
+            self._extras = {name: self._fetch(name) for name in self._side_names}
+        return self._extras
 
 
 class StoreHook:
@@ -89,6 +117,7 @@ class LayerStore:
         self._min_slack = 0
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._next_rows: torch.Tensor | None = None
         #: Most entries any segment has held at once (right after an append, before compaction).
         self.peak_length = 0
 
@@ -130,6 +159,7 @@ class LayerStore:
         """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
         self._dense_cache = None
         self._gather_cache = None
+        self._next_rows = None
         segs = self.segments
         if segs == 0:
             self._uniform = (0, 0)
@@ -179,6 +209,8 @@ class LayerStore:
     # ------------------------------------------------------------------ dense access
     def gather_index(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Flat row index ``(segments, L)`` (padding slots repeat the last valid row), validity, ``L``."""
+        if self._gather_cache is not None and self._gather_cache[2] != self.max_length:
+            self._gather_cache = None
         if self._gather_cache is None:
             max_len = self.max_length
             offs = torch.arange(max_len)
@@ -212,9 +244,12 @@ class LayerStore:
             def gather(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, flat).view(b, h, max_len, *t.shape[1:])
 
+            def fetch(name: str) -> torch.Tensor:
+                return gather(self.positions if name == "positions" else self.extras[name])
+
             out = DenseView(
-                gather(self.keys), gather(self.values), gather(self.positions), valid.view(b, h, max_len),
-                {name: gather(t) for name, t in self.extras.items()},
+                gather(self.keys), gather(self.values), None, valid.view(b, h, max_len),
+                None, fetch, tuple(self.extras),
             )
         self._dense_cache = out
         return out
@@ -298,10 +333,41 @@ class LayerStore:
         self._uniform = (length, capacity)
         self._gather_cache = None
 
+    def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
+        segs = self.segments
+        if self._next_rows is None:
+            self._next_rows = (self._start + self._length).to(self.device)
+        dst = self._next_rows
+        self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
+        self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
+        self.positions.index_fill_(0, dst, position)
+        for name, t in self.extras.items():
+            t.index_fill_(0, dst, self.side_specs[name].fill)
+        cached = self._gather_cache
+        if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
+            index, valid, width = cached
+            col = self._length.to(self.device)[:, None]
+            if int(self._max_length) + 1 > width:
+                index = torch.cat([index, index[:, -1:]], dim=1)
+                valid = torch.cat([valid, torch.zeros_like(valid[:, -1:])], dim=1)
+            index = index.scatter(1, col, dst[:, None])
+            valid = valid.scatter(1, col, True)
+            self._gather_cache = (index, valid, int(self._max_length) + 1)
+        self._next_rows = dst + 1
+        self._length += 1
+        self._max_length += 1
+        self._min_slack -= 1
+        for hook in self.hooks:
+            hook.after_append(self, dst, 1)
+
     def _append_ragged(
         self, keys: torch.Tensor, values: torch.Tensor, first_position: int, token_valid: torch.Tensor | None
     ) -> None:
         h, q = keys.shape[1], keys.shape[2]
+        if token_valid is None and q == 1 and self._uniform is None and self._min_slack >= 1:
+            self._append_one_each(keys, values, first_position)
+            return
         segs = self.segments
         if token_valid is None:
             counts = torch.full((segs,), q, dtype=torch.long)
