@@ -58,11 +58,11 @@ def output_mask(
 ) -> torch.Tensor | None:
     """The SDPA mask ``(batch, q_heads, q, n)`` for attending to held entries; None when all are visible.
 
-    ``query_positions``/``key_positions`` are read only when needed (callables), so a decoding step of a
-    ragged layer gathers no positions. ``newest_query``: a single decoding query at the newest position, which sees every held entry, so
-    only validity (and the sliding window) matter. A query that would see nothing (a padding query) sees
-    every real entry instead, so no row is empty (its output is discarded). With ``bias`` the mask is
-    float: ``bias`` where visible, ``-inf`` elsewhere.
+    ``query_positions``/``key_positions`` are read only when needed (callables), so a decoding step
+    of a ragged layer gathers no positions. ``newest_query``: a single decoding query at the newest
+    position, which sees every held entry, so only validity (and the sliding window) matter. A query that
+    would see nothing (a padding query) sees every real entry instead, so no row is empty (its output is
+    discarded). With ``bias`` the mask is float: ``bias`` where visible, ``-inf`` elsewhere.
     """
     if newest_query and key_valid is None and sliding_window is None:
         if bias is None:

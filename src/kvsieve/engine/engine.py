@@ -225,8 +225,8 @@ class Engine:
         if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
             return attend(module, step.query, view.keys, view.values, None, step.scaling)
         mask = output_mask(
-            lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias, step.query.dtype,
-            newest_query=step.is_decoding,
+            lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias,
+            step.query.dtype, newest_query=step.is_decoding,
         )
         return attend(module, step.query, view.keys, view.values, mask, step.scaling)
 
