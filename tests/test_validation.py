@@ -187,11 +187,78 @@ def test_reset_makes_the_cache_reusable(model):
     assert torch.equal(model(ids, past_key_values=cache).logits, first)
 
 
-def test_crop_is_refused(model):
-    cache = kvsieve.KVCache(model, "full")
-    model(prompt(length=8), past_key_values=cache)
-    with pytest.raises(NotImplementedError):
+def test_evicting_caches_refuse_to_crop_and_say_what_to_do(model):
+    cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
+    model(prompt(length=16), past_key_values=cache)
+    assert not cache.is_croppable
+    with pytest.raises(NotImplementedError, match="assistant"):
         cache.crop(4)
+
+
+def test_full_cache_crops_exactly(model):
+    """Rollback (assisted generation) of a cache that never evicts: equal to never having seen the tokens."""
+    ids = prompt(length=12)
+    cropped = kvsieve.KVCache(model, "full")
+    model(ids, past_key_values=cropped)
+    model(prompt(length=3, seed=4), past_key_values=cropped)
+    assert cropped.is_croppable
+    cropped.crop(-3)
+    assert cropped.get_seq_length() == 12
+    fresh = kvsieve.KVCache(model, "full")
+    model(ids, past_key_values=fresh)
+    token = prompt(length=1, seed=9)
+    assert torch.equal(model(token, past_key_values=cropped).logits, model(token, past_key_values=fresh).logits)
+
+
+def test_full_takes_no_budget_and_empty_name_is_unknown(fresh_model):
+    model = fresh_model("llama")
+    with pytest.raises(PolicyConfigError, match="no budget"):
+        kvsieve.KVCache(model, "full", budget=8)
+    with pytest.raises(UnknownPolicyError):
+        kvsieve.KVCache(model, "")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(("params", "mentions"), [
+    ({"recent_ratio": "0.5"}, "recent_ratio"),
+    ({"recent_ratio": True}, "recent_ratio"),
+    ({"buffer": 1.5, "schedule": "decode"}, "buffer"),
+])
+def test_type_errors_name_the_parameter(fresh_model, params, mentions):
+    model = fresh_model("llama")
+    with pytest.raises(PolicyConfigError, match=mentions):
+        kvsieve.KVCache(model, "h2o", budget=8, **params)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_base_policy_parts_are_validated_at_construction(fresh_model):
+    model = fresh_model("llama")
+    with pytest.raises(PolicyConfigError, match="sinks"):
+        kvsieve.KVCache(model, "adakv", budget=2, window=0, base="streaming_llm")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_grad_enabled_is_refused_before_anything_is_stored(fresh_model):
+    model = fresh_model("llama")
+    cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="no_grad"):
+        model(prompt(length=12), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    model(prompt(length=12), past_key_values=cache)  # and it works without grad
+    assert cache.get_seq_length() == 12
+
+
+def test_cache_of_another_model_is_refused(fresh_model):
+    a, b = fresh_model("llama"), fresh_model("llama", seed=1)
+    cache = kvsieve.KVCache(a, "snapkv", budget=8, window=4)
+    kvsieve.prepare_model(b)
+    with pytest.raises(ValueError, match="another model"):
+        b(prompt(length=12), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    qwen3 = fresh_model("qwen3")
+    kvsieve.prepare_model(qwen3)
+    with pytest.raises(ValueError, match="one KVCache per model"):
+        qwen3(prompt(length=12), past_key_values=cache)
 
 
 def test_cache_with_a_model_not_prepared_raises(fresh_model):

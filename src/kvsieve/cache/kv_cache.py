@@ -40,6 +40,8 @@ class KVLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.left_alone = cache.info.left_alone[layer_idx]
+        #: Exact rollback is possible only when nothing is ever evicted.
+        self.is_croppable = not cache.policy.evicts
         self.store: LayerStore | None = None
         self.seen = 0
         self.forwards = 0
@@ -60,6 +62,19 @@ class KVLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold the new entries for the kvsieve attention function, which stores them."""
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise RuntimeError(
+                "KVCache does not support autograd: its stores are updated in place. Run the model under "
+                "torch.no_grad() or torch.inference_mode() with a KVCache (use DynamicCache to train through a cache)"
+            )
+        info = self.cache.info
+        expected_heads = info.num_kv_heads
+        if key_states.shape[1] != expected_heads or key_states.shape[-1] != info.head_dim:
+            raise ValueError(
+                f"KVCache was built for a model with {expected_heads} KV heads of size {info.head_dim}, but layer "
+                f"{self.layer_idx} got {key_states.shape[1]} heads of size {key_states.shape[-1]}: build one KVCache "
+                "per model (KVCache(model, ...))"
+            )
         if self._pending is not None:
             self._pending = None
             raise RuntimeError(
@@ -114,6 +129,11 @@ class KVLayer(CacheLayerMixin):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Called by the registered attention function with this layer's tagged keys: the engine's work."""
+        if getattr(module, "config", self.cache.model_config) is not self.cache.model_config:
+            self._pending = None
+            raise ValueError(
+                "this KVCache was built for another model instance; build one KVCache per model (KVCache(model, ...))"
+            )
         output = self.cache.engine.attend(self, module, query, attention_mask, scaling, sliding_window)
         memo: dict[object, torch.Tensor] = {}  # statistics of the same entries, computed once for all
         for follower in self.followers:
@@ -146,8 +166,25 @@ class KVLayer(CacheLayerMixin):
         if self.store is not None:
             self.store.select_batch(indices)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("KVCache cannot be cropped: evicted entries cannot be restored")
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: drop the last ``-max_length``), as transformers' caches.
+
+        Exact for policies that never delete entries (``full``, selection policies): the entries of the
+        dropped tokens are removed by position. An evicting policy cannot go back (its compactions may
+        have depended on the dropped tokens), so it raises.
+        """
+        if self.cache.policy.evicts:
+            raise NotImplementedError(
+                f"KVCache({self.cache.policy.name}) evicts entries, so it cannot be rolled back (assisted generation "
+                "with assistant_model= or prompt_lookup_num_tokens= crops the cache): use policy 'full' or "
+                "generate without an assistant"
+            )
+        target = self.seen + max_length if max_length < 0 else max_length
+        if target >= self.seen:
+            return
+        if self.store is not None:
+            self.store.keep_positions_before(max(target, 0))
+        self.seen = max(target, 0)
 
     def offload(self) -> None:  # keys live in the store; nothing to move
         return None
@@ -170,7 +207,8 @@ class KVCache(Cache):
     """
 
     def __init__(self, model: torch.nn.Module, policy: Policy | str | None = None, **params: Any):
-        resolved = make_policy(policy or "full", **params) if not isinstance(policy, Policy) else policy
+        name = "full" if policy is None else policy
+        resolved = policy if isinstance(policy, Policy) else make_policy(name, **params)
         if isinstance(policy, Policy) and params:
             raise ValueError("pass parameters inside the Policy object, not as keyword arguments")
         info = model_info(model)
@@ -184,6 +222,20 @@ class KVCache(Cache):
         prepare_model(model)
         if self.engine.wants_layer_inputs():
             install_layer_input_hooks(model)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"KVCache was built for a model with {len(self.layers)} layers but got layer {layer_idx}: build one "
+                "KVCache per model (KVCache(model, ...))"
+            )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    @property
+    def is_croppable(self) -> bool:
+        return not self.policy.evicts
 
     @property
     def compactions(self) -> int:

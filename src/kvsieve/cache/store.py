@@ -492,10 +492,17 @@ class LayerStore:
         for hook in self.hooks:
             hook.after_layout(self)
 
+    def keep_positions_before(self, limit: int) -> None:
+        """Drop every entry at position ``limit`` or later (rollback of the last tokens)."""
+        self._keep_where(lambda positions: positions < limit)
+
     def keep_positions_after(self, min_position: int) -> None:
         """Drop every entry whose position is below ``min_position`` (sliding-window layers)."""
+        self._keep_where(lambda positions: positions >= min_position)
+
+    def _keep_where(self, predicate: Callable[[torch.Tensor], torch.Tensor]) -> None:
         view = self.dense()
-        keep = view.positions >= min_position
+        keep = predicate(view.positions)
         if view.valid is not None:
             keep = keep & view.valid
         counts = keep.sum(dim=-1).reshape(-1).cpu()

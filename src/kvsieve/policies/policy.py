@@ -99,6 +99,10 @@ class Policy:
                 raise PolicyConfigError(f"{name}: give budget (int ≥ 1, entries per head) or ratio in [0, 1)")
             if budget is not None and ratio is not None:
                 raise PolicyConfigError(f"{name}: give either budget or ratio, not both")
+        if not self.needs_budget and (budget is not None or ratio is not None):
+            raise PolicyConfigError(
+                f"{name}: keeps every entry and takes no budget or ratio (got budget={budget!r}, ratio={ratio!r})"
+            )
         if budget is not None and (not is_int(budget) or budget <= 0):
             raise PolicyConfigError(f"{name}: budget must be an int ≥ 1 (entries per head); got {budget!r}")
         if ratio is not None and (not is_number(ratio) or not 0.0 <= ratio < 1.0):

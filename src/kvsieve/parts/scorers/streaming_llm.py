@@ -34,7 +34,9 @@ class Sinks(Scorer):
     def check(self, policy: Policy) -> None:
         if policy.budget is not None and self.sinks > policy.budget:
             raise PolicyConfigError(
-                f"{policy.name}: sinks ({self.sinks}) must not exceed budget ({policy.budget})"
+                f"{policy.name}: sinks ({self.sinks}) must not exceed budget ({policy.budget}); "
+                f"the streaming_llm score keeps {self.sinks} attention sinks: pass sinks=... ≤ {policy.budget} "
+                "or a larger budget"
             )
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
