@@ -1,39 +1,84 @@
-"""The one attention function kvsieve registers with ``transformers.AttentionInterface``.
+"""The attention functions kvsieve registers with ``transformers.AttentionInterface``.
 
-Without a :class:`~kvsieve.cache.KVCache` it is plain SDPA (transformers' own
-``sdpa_attention_forward`` with the mask transformers would build), so a prepared model behaves
-exactly as before. With a ``KVCache``, the layer's new keys/values arrive tagged with their cache
-layer; this function appends them to the ragged store, computes the output against every held
-entry (causality from stored absolute positions), and lets the policy observe, select or compact.
+One function per original implementation the model had (``"kvsieve"`` wraps ``sdpa``,
+``"kvsieve_eager"`` wraps the model's ``eager``; see :mod:`kvsieve.attention.register`). With a
+:class:`~kvsieve.cache.KVCache`, the layer's new keys/values arrive tagged with their cache layer; the
+function appends them to the ragged store, computes the output against every held entry (causality
+from stored absolute positions), and lets the policy observe, select or compact. Without one (any
+other cache, or none) it calls the original implementation with the original implementation's mask
+and the very arguments the model passed, so a prepared model behaves exactly as before, attention
+weights (``output_attentions`` under ``eager``) included.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
 
-from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvsieve.attention.masks import KvsieveMask
 
 #: Attribute that ``KVCache`` layers set on the key tensor they return from ``update``.
 LAYER_TAG = "_kvsieve_layer"
 
 
-def kvsieve_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Attention over the kvsieve cache (or plain SDPA); returns ``(batch, q, q_heads, d)`` and None."""
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = getattr(key, LAYER_TAG, None)
-    if layer is None:
-        pad = padding_from_mask(attention_mask)
-        mask = dense_causal_mask(query.shape[2], key.shape[2], pad, sliding_window, query.device)
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
-    return layer.attend(module, query, attention_mask, scale, sliding_window), None
+def module_eager_attention(module: torch.nn.Module) -> Callable[..., Any]:
+    """The ``eager_attention_forward`` the module's own ``forward`` falls back to (its modeling file's).
+
+    Each modeling file has its own (Gemma3's soft-caps), and the model resolves the name in the globals
+    of the function that defines ``forward``: so does this.
+    """
+    forward = inspect.unwrap(type(module).forward)
+    eager = getattr(forward, "__globals__", {}).get("eager_attention_forward")
+    if eager is None:
+        raise RuntimeError(
+            f"kvsieve: cannot find the eager attention of {type(module).__name__} (no eager_attention_forward "
+            "next to its forward); load the model with attn_implementation='sdpa'"
+        )
+    return eager
+
+
+def original_attention(original: str, module: torch.nn.Module) -> Callable[..., Any]:
+    """What the untouched model would call: ``ALL_ATTENTION_FUNCTIONS[original]``, or the module's eager."""
+    if original == "eager":
+        return module_eager_attention(module)
+    return ALL_ATTENTION_FUNCTIONS[original]
+
+
+def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """The kvsieve attention function for a model whose own implementation was ``original``."""
+
+    def kvsieve_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: KvsieveMask | torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention over the kvsieve cache, or ``original`` attention; returns ``(batch, q, q_heads, d)``, weights."""
+        layer = getattr(key, LAYER_TAG, None)
+        if layer is None:  # not a kvsieve cache: exactly what the untouched model computes
+            mask = attention_mask.original() if isinstance(attention_mask, KvsieveMask) else attention_mask
+            return original_attention(original, module)(module, query, key, value, mask, **kwargs)
+        padding = attention_mask.padding if isinstance(attention_mask, KvsieveMask) else attention_mask
+        if kwargs.get("output_attentions"):
+            warnings.warn(
+                "kvsieve: layers served by a KVCache return no attention weights (output_attentions=True "
+                "gives none for them); use another cache to inspect attention weights",
+                stacklevel=2,
+            )
+        scaling = kwargs.get("scaling")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return layer.attend(module, query, padding, scale, kwargs.get("sliding_window")), None
+
+    kvsieve_attention_forward.__qualname__ = f"kvsieve_attention_forward[{original}]"
+    return kvsieve_attention_forward
+
+
+#: The function registered as ``"kvsieve"`` (models loaded with ``sdpa``).
+kvsieve_attention_forward = make_attention_forward("sdpa")

@@ -1,27 +1,107 @@
 """Masks for the kvsieve attention path.
 
-The registered mask function hands the model's 2-D padding mask through unchanged: the attention
-function builds causal visibility itself from each entry's stored absolute position, which stays
-right after eviction (transformers' own masks index held entries by slot and would not).
+The registered mask functions return a :class:`KvsieveMask`: the model's 2-D padding mask for the
+kvsieve path, whose attention function builds causal visibility itself from each entry's stored
+absolute position (right after eviction, unlike transformers' slot-indexed masks), and — built only if
+asked for — the mask the model's original implementation (``sdpa`` or ``eager``) would have built from
+the very same arguments, for every forward that does not use a kvsieve cache. A kvsieve-cache forward
+therefore never materialises an N×N mask, and any other cache (``DynamicCache``, ``StaticCache``, none)
+gets exactly the mask, and so exactly the outputs, of the untouched model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 
-def passthrough_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: object = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: object,
-) -> torch.Tensor | None:
-    """Mask-interface entry for ``"kvsieve"``: return the 2-D ``(batch, seen + q)`` padding mask as is."""
-    return attention_mask
+class KvsieveMask:
+    """What the kvsieve mask functions hand the model in place of a mask (the same object to every layer).
+
+    * :attr:`padding` — the 2-D ``(batch, seen + q)`` boolean padding mask transformers prepared (or None),
+      read by the kvsieve path; the engine memoises it by identity, once per forward.
+    * :meth:`original` — the original implementation's mask (a 4-D tensor, or None where it relies on
+      ``is_causal``), built on first use from the arguments transformers passed, then kept.
+
+    transformers never inspects a prepared mask: models hand it to the attention function as is. The
+    two places that touch it are mirrored: ``generate`` with a compileable cache (``StaticCache``)
+    prepares the masks ahead and calls ``.contiguous()`` on them, which here returns what the original
+    implementation returns there (its mask made contiguous, or None); accelerate's device hooks call
+    ``.to(device)``, which moves both masks.
+    """
+
+    __slots__ = ("_build", "_mask", "_source", "_to", "padding")
+
+    def __init__(
+        self,
+        padding: torch.Tensor | None,
+        build: Callable[[], Any] | None,
+        source: KvsieveMask | None = None,
+        to: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    ):
+        self.padding = padding
+        self._build, self._source, self._to = build, source, to
+        self._mask: Any = None
+
+    def original(self) -> Any:
+        """The mask the model's original attention implementation would receive (built once)."""
+        if self._source is not None:
+            mask = self._source.original()
+            if mask is not None and self._to is not None:
+                mask = mask.to(*self._to[0], **self._to[1])
+            self._mask, self._source, self._to = mask, None, None
+        elif self._build is not None:
+            self._mask, self._build = self._build(), None
+        return self._mask
+
+    def contiguous(self) -> Any:
+        """``generate``'s ahead-of-time masks (compileable caches): the original mask, contiguous, or None."""
+        mask = self.original()
+        return None if mask is None else mask.contiguous()
+
+    def to(self, *args: Any, **kwargs: Any) -> KvsieveMask:
+        """Both masks moved (accelerate's device hooks); the original is still built once, by the source."""
+        padding = None if self.padding is None else self.padding.to(*args, **kwargs)
+        return KvsieveMask(padding, None, source=self, to=(args, kwargs))
+
+    def __repr__(self) -> str:
+        shape = None if self.padding is None else tuple(self.padding.shape)
+        return f"KvsieveMask(padding={shape})"
+
+
+def lazy_mask_function(original: str) -> Callable[..., KvsieveMask]:
+    """The mask-interface entry of the kvsieve variant of ``original`` (``"sdpa"`` or ``"eager"``).
+
+    It receives exactly the arguments transformers gives ``original``'s mask function (``batch_size``,
+    ``q_length``, ``kv_length``, offsets, ``mask_function``, ``attention_mask``, ``local_size``,
+    ``allow_is_causal_skip``, ``dtype``, ``config``, ``device``...) and keeps them for
+    :meth:`KvsieveMask.original`; the 2-D ``attention_mask`` among them is the kvsieve path's padding.
+    """
+
+    def kvsieve_mask(*args: Any, **kwargs: Any) -> KvsieveMask:
+        padding = args[6] if len(args) > 6 else kwargs.get("attention_mask")
+        # Built after layer 0 updated the cache: a static cache's offset is its length tensor, advanced in
+        # place by that update, so tensor offsets are snapshot now (the 2-D mask is never written to).
+        args = tuple(_snapshot(a) if i in (3, 4) else a for i, a in enumerate(args))
+        kwargs = {k: _snapshot(v) if k in ("q_offset", "kv_offset") else v for k, v in kwargs.items()}
+        build = partial(_build_original, original, args, kwargs)
+        return KvsieveMask(padding, build)
+
+    kvsieve_mask.__name__ = kvsieve_mask.__qualname__ = f"kvsieve_{original}_mask"
+    return kvsieve_mask
+
+
+def _snapshot(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _build_original(original: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # looked up when built, as the untouched model looks it up when it builds its mask
+    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, **kwargs)
 
 
 def padding_from_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -46,8 +126,9 @@ def dense_causal_mask(
 ) -> torch.Tensor | None:
     """Boolean ``(batch|1, 1, q, kv)`` mask for queries that are the last ``q_len`` of ``kv_len`` slots.
 
-    Equals transformers' SDPA mask (causal, padding, sliding window); a query that would see nothing
-    (a padding query) sees itself, so no row is empty. None when plain causal attention suffices.
+    Used for a kvsieve cache's first forward (the queries are all the keys). A query that would see
+    nothing (a padding query) sees itself, so no row is empty (its output is discarded). None when plain
+    causal attention suffices.
     """
     if pad is None and sliding_window is None and q_len in (1, kv_len):
         return None  # plain causal: SDPA's is_causal (or no mask for one query) is exact

@@ -1,8 +1,10 @@
 """Head-wise adaptive allocation (AdaKV, Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by
 Adaptive Budget Allocation", arXiv:2407.11550, Alg. 1 with the safeguard floor of Sec. 4.3).
 
-Within one layer, the ``H·B`` entries of a batch item go to the globally highest scores over all its
-heads, after each head is first guaranteed ``floor = α·B`` entries.
+Within one layer (or, for a global budget, one model), the entries of a batch row go to its globally
+highest scores over all its heads, after each head is first guaranteed its floor and every entry its
+scorer protects (``+inf``). Each batch row is decided on its own scores, lengths and total only: what a
+row keeps never depends on the other rows of the batch (their lengths, padding or ties).
 """
 
 from __future__ import annotations
@@ -15,26 +17,34 @@ def adaptive_counts(
 ) -> torch.Tensor:
     """Entries per head ``(batch, heads)``.
 
+    Each head first gets ``base = min(max(floor, protected), length)`` entries, ``protected`` being its
+    number of ``+inf`` scores (entries the scorer always keeps: they are never dropped, even when they
+    exceed the row's total); the row's remaining ``total - Σ base`` entries (if any) then go to the
+    highest other scores of all its heads. Ties are broken by head index, then by rank within the head,
+    the same whatever the batch around the row. So a row keeps ``max(total, Σ base)`` entries, never more
+    than it holds.
+
     Args:
-        scores: ``(batch, heads, L)``, higher = keep, ``-inf`` on padding slots.
-        total: ``(batch,)`` entries the layer may hold per batch item (``heads × budget``).
+        scores: ``(batch, heads, L)``, higher = keep, ``+inf`` always kept, ``-inf`` on padding slots.
+        total: ``(batch,)`` entries the row may hold over all heads (``Σ`` of the nominal budgets).
         floor: ``(batch,)`` or ``(batch, heads)`` minimum per head.
         lengths: ``(batch, heads)`` entries held now (counts never exceed them).
     """
     batch, heads, length = scores.shape
     floor = floor.view(batch, 1) if floor.dim() == 1 else floor
-    base = torch.minimum(floor.expand(batch, heads), lengths)
+    protected = torch.isposinf(scores).sum(dim=-1)
+    base = torch.minimum(torch.maximum(floor.expand(batch, heads), protected), lengths)
+    remaining = (total - base.sum(dim=1)).clamp(min=0)
+    if length == 0 or not bool((remaining > 0).any()):
+        return base
     ordered = torch.sort(scores.float(), dim=-1, descending=True).values
     rank = torch.arange(length, device=scores.device).view(1, 1, -1)
     candidates = ordered.masked_fill(rank < base.unsqueeze(-1), float("-inf")).reshape(batch, heads * length)
-    remaining = (total - base.sum(dim=1)).clamp(min=0)
-    width = int(min(int(remaining.max()) if remaining.numel() else 0, heads * length))
-    if width == 0:
-        return base
-    values, index = torch.topk(candidates, width, dim=-1)
-    chosen = (torch.arange(width, device=scores.device)[None, :] < remaining[:, None]) & torch.isfinite(values)
-    chosen = chosen | (values == float("inf"))
-    chosen = chosen & (values > float("-inf"))
+    # A full stable sort of each row (not a top-k whose width is the batch's largest remainder): equal scores
+    # go to the lower (head, rank), whatever the other rows and the padded width L.
+    values, index = torch.sort(candidates, dim=-1, descending=True, stable=True)
+    order = torch.arange(heads * length, device=scores.device)[None, :]
+    chosen = (order < remaining[:, None].to(scores.device)) & (values > float("-inf"))
     extra = torch.zeros(batch, heads, dtype=torch.long, device=scores.device)
     extra.scatter_add_(1, index // length, chosen.long())
     return torch.minimum(base + extra, lengths)

@@ -12,6 +12,7 @@ positions (``kept_positions``), per-head counts (``head_lengths``) and bytes (``
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -218,10 +219,19 @@ class KVCache(Cache):
         self.engine = Engine(resolved, info)
         layers = [KVLayer(self, i, info.sliding_windows[i]) for i in range(info.num_layers)]
         super().__init__(layers=layers)
-        self.engine.managed_stores = lambda: [self.layers[i].store for i in info.managed_layers]
+        self.engine.layers = self.layers
         prepare_model(model)
         if self.engine.wants_layer_inputs():
             install_layer_input_hooks(model)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
+        """An independent copy of the entries and state, still bound to the same model (its config is shared)."""
+        memo[id(self.model_config)] = self.model_config
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        return clone
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

@@ -23,7 +23,6 @@ The engine never imports the cache module: layers are duck-typed (:class:`LayerS
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,8 +81,8 @@ class Engine:
         self._fire_forward = False
         self._forward_compressed = False
         self._noop_warned = False
-        #: The managed layers' stores (the cache sets this; read only to total a global budget).
-        self.managed_stores: Callable[[], list[LayerStore | None]] = list
+        #: The cache's layers (the cache sets this; read only to total a global budget).
+        self.layers: list[LayerState] = []
 
     # ------------------------------------------------------------------ stores
     def init_store(self, store: LayerStore, managed: bool) -> None:
@@ -337,7 +336,7 @@ class Engine:
         heads = step.store.heads
         # held by this (already appended) layer, plus what the other managed layers will hold after their append
         total = step.store.lengths().sum(dim=1) + step.q_len * heads * (len(self.managed) - 1)
-        for other in self.managed_stores():
+        for other in (self.layers[i].store for i in self.managed):
             if other is not None and other is not step.store:
                 total = total + other.lengths().sum(dim=1)
         return self.policy.schedule.fires_total(True, int(total.max()), (total_budget or 0) * heads, heads)
@@ -374,6 +373,7 @@ class Engine:
             return
         self._noop_warned = True
         warnings.warn(
-            f"kvsieve: {self.policy} keeps every entry (budget ≥ prompt length {seen}); nothing was compressed",
+            f"kvsieve: {self.policy}: nothing was compressed in this prompt forward (the budget covers all "
+            f"{seen} tokens seen so far); later forwards compress once the cache outgrows the budget",
             stacklevel=4,
         )

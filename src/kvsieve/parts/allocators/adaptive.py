@@ -10,6 +10,20 @@ below B = 160 and a head can keep nothing but its window. The rest of the alloca
 then the global top over every head) is the kvpress form; the official code instead blends
 ``round((1 - α)·count_h + ⌊α·(B - w)⌋)`` from the unfloored top-``H·(B - w)`` counts.
 Heads really hold different numbers of entries (ragged storage), so the memory saved is real.
+
+Budgets, floors and protected entries, per batch row (rows are independent requests: what a row keeps
+depends only on its own scores and lengths, never on the other rows of the batch or their padding):
+
+* the row's total is the sum of its heads' nominal budgets ``Σ_h B_h`` (``H·B`` for a ``budget``; for a
+  ``ratio``, ``B_h = ⌈n_h·(1 - ratio)⌉`` from the ``n_h`` entries head ``h`` holds);
+* every entry the scorer protects (``+inf``: the observation window, sinks, a recent share) is kept,
+  with either floor: a head keeps at least ``min(max(floor_h, protected_h), n_h)`` entries, and the rest
+  of the total goes to the highest remaining scores of the row's heads (ties to the lower head);
+* **a target smaller than the protected window** (a ratio of a short prompt, e.g. 5 entries with
+  ``ratio=0.8`` and ``window=4``): the window is kept all the same, so each head keeps
+  ``max(target, protected)`` entries clamped to what it holds, and the row holds
+  ``max(Σ_h B_h, Σ_h min(max(floor_h, protected_h), n_h))`` entries in all. With an absolute ``budget``
+  the window never exceeds it (validated), so a row never holds more than ``H·B`` entries.
 """
 
 from __future__ import annotations
@@ -39,12 +53,11 @@ class Adaptive(Allocator):
         require_choice(self.name, "floor", self.floor, ("outside_window", "budget"))
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        per_head = nominal[:, 0]
-        total = per_head * lengths.shape[1]
+        protected = torch.isposinf(scores).sum(dim=-1)
+        total = nominal.sum(dim=1)
         if self.floor == "budget":
-            floor = (per_head.double() * self.alpha).long()
+            floor = (nominal.double() * self.alpha).long()
         else:
-            protected = torch.isposinf(scores).sum(dim=-1)
-            outside = (per_head[:, None] - protected).clamp(min=0)
+            outside = (nominal - protected).clamp(min=0)
             floor = protected + (outside.double() * self.alpha).long()
         return adaptive_counts(scores, total, floor, lengths)

@@ -6,6 +6,14 @@ depends on the budget read it), then, from the scores, into the counts each head
 (:meth:`Allocator.allocate`). Layer-scope allocators decide per layer after that layer's forward;
 global-scope ones (:class:`~kvsieve.parts.allocators.global_budget.GlobalBudget`) decide once for all
 layers after the last managed layer of a forward (:meth:`Allocator.allocate_global`).
+
+Each batch row is its own request: its nominal budgets come from its own lengths and its counts from
+its own scores, never from the other rows of the batch. A ratio keeps ``⌈n·(1 - ratio)⌉`` of the ``n``
+entries a head holds (the decimal ratio: ``ratio=0.7`` keeps 3 of 10, not 4 through the float error of
+``1 - 0.7``). Entries a scorer protects (``+inf``: the observation window, sinks, a recent share) are
+always kept: when the target is smaller than the protected window (``snapkv`` with ``ratio=0.8`` and
+``window=8`` on 10 tokens: target 2), a head keeps ``max(target, protected)`` entries, clamped to what it
+holds. With an absolute ``budget`` the window never exceeds it (validated), so nothing changes there.
 """
 
 from __future__ import annotations
@@ -19,6 +27,14 @@ from kvsieve.parts.base import Part
 
 if TYPE_CHECKING:
     from kvsieve.policies.policy import Policy
+
+
+def ratio_budget(lengths: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``⌈n·(1 - ratio)⌉`` per head of ``n`` entries, free of binary rounding (``10·(1 - 0.7)`` is 3, not 4)."""
+    kept = lengths.double() * (1.0 - float(ratio))
+    # ratio, 1 - ratio and the product are each within an ulp of their decimal values: a few n·2⁻⁵³ in all,
+    # which 1e-12·n absorbs (a decimal ratio of d digits is off an integer by ≥ 10⁻ᵈ otherwise).
+    return torch.ceil(kept - 1e-12 * lengths.double().clamp(min=1.0)).clamp(min=0).long()
 
 
 @dataclass(frozen=True)
@@ -48,11 +64,16 @@ class Allocator(Part):
         if policy.budget is not None:
             return torch.full_like(lengths, self.layer_budget(policy.budget, layer_idx, num_layers, window))
         assert policy.ratio is not None
-        return torch.ceil(lengths.double() * (1.0 - policy.ratio)).long()
+        return ratio_budget(lengths, policy.ratio)
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Entries kept per (batch, KV head): the nominal budget, never more than held."""
-        return torch.minimum(nominal, lengths)
+        """Entries kept per (batch, KV head): ``max(nominal, protected)``, never more than held.
+
+        ``protected`` counts the head's ``+inf`` scores (the entries its scorer always keeps): a target
+        below the protected window (a ratio of a short prompt) still keeps the whole window.
+        """
+        protected = torch.isposinf(scores).sum(dim=-1).to(lengths.device)
+        return torch.minimum(torch.maximum(nominal, protected), lengths)
 
     def allocate_global(
         self, scores: list[torch.Tensor], nominal: list[torch.Tensor], lengths: list[torch.Tensor]
