@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import prompt
@@ -324,3 +326,17 @@ def test_inspection_rejects_out_of_range_indices(batch_idx, head):
         cache.kept_positions(0, batch_idx, head)
     with pytest.raises((IndexError, ValueError)):
         cache.kept_entries(0, batch_idx, head)
+
+
+def test_chunked_prefill_compresses_each_chunk_and_says_so_honestly(model):
+    """transformers gives a cache no sign that prompt chunks belong together: under ``prefill`` each chunk is a
+    prompt forward (documented in docs/misuse.md); the warning speaks of the forward, not of the whole prompt."""
+    cache = kvsieve.KVCache(model, "snapkv", budget=16, window=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(prompt(length=40), past_key_values=cache, max_new_tokens=2, do_sample=False,
+                       prefill_chunk_size=16)
+    messages = [str(w.message) for w in caught if "kvsieve" in str(w.message)]
+    assert all("keeps every entry" not in m for m in messages)
+    assert any("in this prompt forward" in m for m in messages)  # the first 16-token chunk fits the budget
+    assert int(cache.head_lengths()[list(cache.info.managed_layers)].max()) <= 16 + 1
