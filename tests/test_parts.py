@@ -292,3 +292,20 @@ def test_statistics_not_declared_are_refused(model):
     cache = kvsieve.KVCache(model, Policy(scorer=Sneaky(), budget=4, name="sneaky"))
     with pytest.raises(RuntimeError, match="window_rows"):
         model(prompt(length=12), past_key_values=cache)
+
+
+def test_deepcopy_is_independent_and_stays_bound_to_the_model(model):
+    import copy
+
+    cache = kvsieve.KVCache(model, "h2o", budget=10, schedule="decode")
+    ids = prompt(length=24)
+    model(ids, past_key_values=cache)
+    clone = copy.deepcopy(cache)
+    assert clone.model_config is cache.model_config and clone.engine.layers is clone.layers
+    before = [cache.kept_positions(i, 0, 0).clone() for i in cache.info.managed_layers]
+    token = prompt(length=1, seed=3)
+    for _ in range(3):
+        model(token, past_key_values=clone)
+    assert clone.get_seq_length() == 27 and cache.get_seq_length() == 24
+    after = [cache.kept_positions(i, 0, 0) for i in cache.info.managed_layers]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
