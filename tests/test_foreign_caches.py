@@ -19,6 +19,7 @@ from transformers import DynamicCache, StaticCache
 import kvsieve
 from kvsieve.attention import masks
 from kvsieve.attention.masks import KvsieveMask
+from kvsieve.attention.register import VARIANTS
 
 STEPS = 3
 #: (architecture, sliding window forced on every layer or None): Mistral/Phi3 with ``sliding_window`` set too.
@@ -44,7 +45,7 @@ def pair(arch: str, impl: str = "sdpa", window: int | None = None) -> tuple[torc
         cache = kvsieve.KVCache(served, policy, **params)
         with torch.no_grad():
             served(prompt(length=12, seed=9), past_key_values=cache)
-        assert served.config._attn_implementation == kvsieve.attention.register.VARIANTS[impl]
+        assert served.config._attn_implementation == VARIANTS[impl]
         assert untouched.config._attn_implementation == impl
         _PAIRS[key] = served, untouched
     return _PAIRS[key]

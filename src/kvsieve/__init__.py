@@ -1,7 +1,7 @@
 """kvsieve: KV-cache compression for Hugging Face transformers.
 
 Importing kvsieve registers nothing and patches nothing; ``KVCache(model, policy)`` switches that one
-model instance to the ``"kvsieve"`` attention (plain SDPA when no kvsieve cache is passed).
+model instance to the ``"kvsieve"`` attention (the model's own attention when no kvsieve cache is passed).
 """
 
 from kvsieve.attention.register import prepare_model, register_attention

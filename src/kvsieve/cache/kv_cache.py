@@ -199,7 +199,7 @@ class KVCache(Cache):
 
     Args:
         model: a supported causal LM (see :data:`kvsieve.models.ARCHITECTURES`). The model instance is
-            switched to the ``"kvsieve"`` attention (plain SDPA when no kvsieve cache is used).
+            switched to the ``"kvsieve"`` attention (the model's own attention when no kvsieve cache is used).
         policy: a :class:`Policy`, a registered name, or None for ``full``.
         **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``).
 
