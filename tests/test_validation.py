@@ -328,15 +328,29 @@ def test_inspection_rejects_out_of_range_indices(batch_idx, head):
         cache.kept_entries(0, batch_idx, head)
 
 
-def test_chunked_prefill_compresses_each_chunk_and_says_so_honestly(model):
-    """transformers gives a cache no sign that prompt chunks belong together: under ``prefill`` each chunk is a
-    prompt forward (documented in docs/misuse.md); the warning speaks of the forward, not of the whole prompt."""
+@pytest.mark.parametrize(("policy", "params"), [("snapkv", {"window": 4}), ("h2o", {}), ("restkv", {"window": 4})])
+def test_a_chunked_prompt_is_one_prompt(model, policy, params):
+    """``generate(..., prefill_chunk_size=m)`` under ``prefill``: compressed once, after the last chunk, exactly
+    like the same prompt in one forward (the last chunk holds the observation window here)."""
+    ids = prompt(length=40)
+    whole = kvsieve.KVCache(model, policy, budget=12, **params)
+    chunked = kvsieve.KVCache(model, policy, budget=12, **params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out_whole = model.generate(ids, past_key_values=whole, max_new_tokens=3, do_sample=False)
+        out_chunked = model.generate(ids, past_key_values=chunked, max_new_tokens=3, do_sample=False,
+                                     prefill_chunk_size=16)
+    assert torch.equal(out_whole, out_chunked)
+    assert chunked.compactions == whole.compactions
+    for layer in chunked.info.managed_layers:
+        for head in range(chunked.info.num_kv_heads):
+            assert torch.equal(chunked.kept_positions(layer, 0, head), whole.kept_positions(layer, 0, head))
+
+
+def test_the_no_compression_warning_speaks_of_the_forward(model):
     cache = kvsieve.KVCache(model, "snapkv", budget=16, window=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.generate(prompt(length=40), past_key_values=cache, max_new_tokens=2, do_sample=False,
-                       prefill_chunk_size=16)
+        model(prompt(length=12), past_key_values=cache)
     messages = [str(w.message) for w in caught if "kvsieve" in str(w.message)]
-    assert all("keeps every entry" not in m for m in messages)
-    assert any("in this prompt forward" in m for m in messages)  # the first 16-token chunk fits the budget
-    assert int(cache.head_lengths()[list(cache.info.managed_layers)].max()) <= 16 + 1
+    assert len(messages) == 1 and "in this prompt forward" in messages[0] and "keeps every entry" not in messages[0]

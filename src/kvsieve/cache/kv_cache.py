@@ -156,14 +156,17 @@ class KVLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.cache.engine.flush()
         if self.store is not None:
             self.store.select_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.engine.flush()
         if self.store is not None:
             self.store.select_batch(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.engine.flush()
         if self.store is not None:
             self.store.select_batch(indices)
 
@@ -180,6 +183,7 @@ class KVLayer(CacheLayerMixin):
                 "with assistant_model= or prompt_lookup_num_tokens= crops the cache): use policy 'full' or "
                 "generate without an assistant"
             )
+        self.cache.engine.flush()
         target = self.seen + max_length if max_length < 0 else max_length
         if target >= self.seen:
             return
@@ -226,6 +230,7 @@ class KVCache(Cache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
         """An independent copy of the entries and state, still bound to the same model (its config is shared)."""
+        self.engine.flush()
         memo[id(self.model_config)] = self.model_config
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
@@ -250,6 +255,7 @@ class KVCache(Cache):
     @property
     def compactions(self) -> int:
         """Compactions executed so far (one per layer and firing)."""
+        self.engine.flush()
         return self.engine.compactions
 
     def receive_layer_inputs(self, layer_idx: int | None, hidden_states: torch.Tensor) -> None:
@@ -291,6 +297,7 @@ class KVCache(Cache):
 
         Sliding-window layers left alone by the policy are excluded unless ``include_left_alone``.
         """
+        self.engine.flush()
         return max(
             (
                 layer.store.peak_length
@@ -303,18 +310,22 @@ class KVCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes allocated by every layer (keys, values, positions, side data, growth slack)."""
+        self.engine.flush()
         return sum(layer.store.nbytes() for layer in self.layers if layer.store is not None)
 
     @property
     def used_nbytes(self) -> int:
         """Bytes of the entries actually held (growth slack excluded)."""
+        self.engine.flush()
         return sum(layer.store.used_nbytes() for layer in self.layers if layer.store is not None)
 
     def kv_nbytes(self) -> int:
         """Bytes of keys and values actually held (what a full cache of the same length would hold)."""
+        self.engine.flush()
         return sum(layer.store.kv_nbytes() for layer in self.layers if layer.store is not None)
 
     def _store(self, layer_idx: int) -> LayerStore:
+        self.engine.flush()
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers) - 1}]; got {layer_idx}")
         store = self.layers[layer_idx].store

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvsieve.attention.kernel import attend, output_mask
 from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
 from kvsieve.cache.store import LayerStore
+from kvsieve.engine.plan import Plan
 from kvsieve.engine.step import LAYER_INPUTS, LayerStep
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.policies.policy import Policy
@@ -63,8 +64,27 @@ class _Pending:
     sliding_window: int | None
 
 
+@dataclass
+class _Deferred:
+    """A prompt's compaction (and sliding-window trim) waiting to learn whether the prompt continues."""
+
+    store: LayerStore
+    plan: Plan | None
+    trim_below: int | None
+
+
 class Engine:
-    """Runs a :class:`Policy` on the layers of one cache."""
+    """Runs a :class:`Policy` on the layers of one cache.
+
+    **Prompts end at the first decoding step.** A multi-token forward computes its plan at its end, but
+    the plan is applied when the layer is next used by a single-token (decoding) forward, or when the
+    cache is inspected or copied (:meth:`flush`). A multi-token forward that finds a plan waiting
+    continues the same prompt (``generate(..., prefill_chunk_size=m)`` feeds a prompt in chunks): the
+    waiting plan is dropped and the prompt is planned again at the end of the new chunk, so a chunked
+    prompt is compressed once, after its last chunk, exactly like the same prompt in one forward (the
+    window statistics come from the last chunk; H2O-style accumulators have seen every chunk). The
+    ``blockwise`` schedule evicts inside the forward and never defers.
+    """
 
     def __init__(self, policy: Policy, info: ModelInfo):
         self.policy = policy
@@ -78,6 +98,7 @@ class Engine:
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
         self._pending: list[_Pending] = []
+        self._deferred: dict[int, _Deferred] = {}
         self._fire_forward = False
         self._forward_compressed = False
         self._noop_warned = False
@@ -99,6 +120,7 @@ class Engine:
 
     def reset(self) -> None:
         self._pending = []
+        self._deferred = {}
         self._mask_memo = self._valid_memo = None
 
     # ------------------------------------------------------------------ per-forward memos
@@ -136,6 +158,7 @@ class Engine:
         """Append, attend, observe and maybe compact one layer; returns ``(batch, q, q_heads, d)``."""
         new_keys, new_values = layer.take_pending()
         q_len, seen = query.shape[2], layer.seen
+        self._settle(layer.layer_idx, continuation=q_len > 1)
         if attention_mask is not None and attention_mask.shape[-1] < seen + q_len:
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
@@ -178,6 +201,7 @@ class Engine:
         """
         new_keys, new_values = layer.take_pending()
         assert layer.seen == 0 and query.shape[2] > 1, "observe_only: not a first prompt forward"
+        self._settle(layer.layer_idx, continuation=True)
         pad = padding_from_mask(attention_mask)
         step = self._append(layer, module, query, new_keys, new_values, pad, scaling, sliding_window,
                             layer.take_layer_inputs())
@@ -273,11 +297,40 @@ class Engine:
             if self._global:
                 deferred = self._collect_global(layer, step, sliding_window)
             else:
-                compressed = self._fires(layer, step) and self._compact(layer, step)
-                self._note_forward(layer, step, compressed)
+                plan = self._plan(layer, step) if self._fires(layer, step) else None
+                if self._defers(step):
+                    trim = None if sliding_window is None else layer.seen - sliding_window + 1
+                    self._deferred[layer.layer_idx] = _Deferred(step.store, plan, trim)
+                    deferred = True
+                elif plan is not None:
+                    self._act(step.store, plan)
+                self._note_forward(layer, step, plan is not None)
         if sliding_window is not None and not deferred:
             # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
             step.store.keep_positions_after(layer.seen - sliding_window + 1)
+
+    def _defers(self, step: LayerStep) -> bool:
+        """A prompt forward's plan waits for the prompt to end (not under ``blockwise``)."""
+        return not step.is_decoding and self.policy.schedule.block_length() is None
+
+    def _act(self, store: LayerStore, plan: Plan) -> None:
+        self.policy.action.apply(store, plan)
+        self.compactions += 1
+
+    def _settle(self, layer_idx: int, continuation: bool) -> None:
+        """Apply (the prompt ended) or drop (it continues) a layer's waiting plan; trims always apply."""
+        entry = self._deferred.pop(layer_idx, None)
+        if entry is None:
+            return
+        if entry.plan is not None and not continuation:
+            self._act(entry.store, entry.plan)
+        if entry.trim_below is not None:
+            entry.store.keep_positions_after(entry.trim_below)
+
+    def flush(self) -> None:
+        """Apply every waiting prompt compaction now (before inspecting, copying or reordering the cache)."""
+        for layer_idx in list(self._deferred):
+            self._settle(layer_idx, continuation=False)
 
     def _layer_budget(self, layer_idx: int) -> int | None:
         budget = self.policy.budget
@@ -295,19 +348,16 @@ class Engine:
         ).to(lengths.device)
         return lengths, nominal
 
-    def _compact(self, layer: LayerState, step: LayerStep) -> bool:
-        """Score, allocate, plan and act on one layer; False when every entry is kept."""
+    def _plan(self, layer: LayerState, step: LayerStep) -> Plan | None:
+        """Score, allocate and plan one layer; None when every entry is kept."""
         scorer = self.policy.scorer
         assert scorer is not None
         lengths, nominal = self._nominal(layer, step)
         scores = scorer.score(step, nominal)
         counts = self.policy.allocator.allocate(scores, nominal, lengths)
         if bool((counts >= lengths).all()):
-            return False
-        plan = self.policy.action.plan(scores, counts, step)
-        self.policy.action.apply(step.store, plan)
-        self.compactions += 1
-        return True
+            return None
+        return self.policy.action.plan(scores, counts, step)
 
     def _collect_global(self, layer: LayerState, step: LayerStep, sliding_window: int | None) -> bool:
         """Global allocation: score this layer now, decide for all layers after the last managed one."""
@@ -348,13 +398,18 @@ class Engine:
         )
         compressed = False
         for item, count in zip(pending, counts, strict=True):
+            plan = None
             if not bool((count >= item.lengths).all()):
                 plan = self.policy.action.plan(item.scores, count, item.step)
-                self.policy.action.apply(item.step.store, plan)
-                self.compactions += 1
                 compressed = True
-            if item.sliding_window is not None:
-                item.step.store.keep_positions_after(item.layer.seen - item.sliding_window + 1)
+            trim = None if item.sliding_window is None else item.layer.seen - item.sliding_window + 1
+            if self._defers(item.step):
+                self._deferred[item.layer.layer_idx] = _Deferred(item.step.store, plan, trim)
+                continue
+            if plan is not None:
+                self._act(item.step.store, plan)
+            if trim is not None:
+                item.step.store.keep_positions_after(trim)
         if pending and not pending[-1].step.is_decoding:
             self._warn_if_noop(compressed, pending[-1].layer.seen)
 
