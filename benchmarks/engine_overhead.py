@@ -233,6 +233,9 @@ def build_state(model: torch.nn.Module, policy: str, budget: int, ids: torch.Ten
     cache = make_cache(model, policy, budget, params)
     started = time.perf_counter()
     out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    flush = getattr(cache, "flush", None)
+    if flush is not None:
+        flush()  # kvsieve applies a prompt's compaction when the prompt ends: time it with the prefill
     elapsed = time.perf_counter() - started
     return DecodeState(model, cache, out.logits[:, -1:].argmax(-1)), elapsed
 

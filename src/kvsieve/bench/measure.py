@@ -45,6 +45,8 @@ def timed_prefill(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tupl
     """Seconds for the prompt forward (with compression), and the greedy next token ``(batch, 1)``."""
     start = time.perf_counter()
     out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if isinstance(cache, KVCache):
+        cache.flush()  # the prompt's compaction (it would otherwise run at the first decoding step)
     return time.perf_counter() - start, out.logits[:, -1:].argmax(-1)
 
 

@@ -248,6 +248,17 @@ class KVCache(Cache):
             )
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    def flush(self) -> None:
+        """Apply a waiting prompt compaction now.
+
+        A prompt's compaction waits for the prompt to end (its first decoding step), so a prompt fed in
+        several forwards is compressed once. Call this before a multi-token forward that must see the
+        compressed prompt instead of continuing it (teacher forcing an answer in one forward, or streaming
+        text chunk by chunk with compression after each chunk). Inspection, copying and cropping flush
+        by themselves.
+        """
+        self.engine.flush()
+
     @property
     def is_croppable(self) -> bool:
         return not self.policy.evicts

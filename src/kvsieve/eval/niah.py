@@ -220,6 +220,8 @@ def _forward(model: PreTrainedModel, ids: Sequence[int], cache: Cache, keep: int
     """Float32 logits ``[tokens, vocab]`` of the last ``keep`` positions (0 = all) after feeding ``ids``."""
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    if len(ids) > 1 and isinstance(cache, KVCache):
+        cache.flush()  # each prompt is compressed now, inside the timed prefill
     return out.logits[0].float()
 
 

@@ -14,14 +14,22 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, PreTrainedModel
 
+from kvsieve.cache.kv_cache import KVCache
 from kvsieve.eval.metrics import coarse_kl_per_position, top_logprobs
 from kvsieve.policies.policy import Policy
 
 
 def forward_logits(model: torch.nn.Module, ids: Sequence[int], cache: object, keep: int = 1) -> torch.Tensor:
-    """Float32 logits ``(tokens, vocab)`` of the last ``keep`` positions (0 = all) after feeding ``ids``."""
+    """Float32 logits ``(tokens, vocab)`` of the last ``keep`` positions (0 = all) after feeding ``ids``.
+
+    Every multi-token forward of the evaluation is a prompt of its own (a turn, a teacher-forced answer, a
+    streamed chunk): a kvsieve cache applies its compaction right after it (:meth:`KVCache.flush`), so
+    the next forward sees what decoding would see, and prefill timings include the compression.
+    """
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    if len(ids) > 1 and isinstance(cache, KVCache):
+        cache.flush()
     return out.logits[0].float()
 
 
