@@ -355,6 +355,9 @@ class Engine:
         lengths, nominal = self._nominal(layer, step)
         scores = scorer.score(step, nominal)
         counts = self.policy.allocator.allocate(scores, nominal, lengths)
+        limit = self.policy.schedule.row_limit(step.is_decoding, self._layer_budget(layer.layer_idx))
+        if limit is not None:  # a row compacts only when it is over its own limit, whatever its neighbours hold
+            counts = torch.where((lengths.amax(dim=1) > limit)[:, None], counts, lengths)
         if bool((counts >= lengths).all()):
             return None
         return self.policy.action.plan(scores, counts, step)

@@ -44,6 +44,11 @@ class Schedule(Part):
         """The same question for a global budget: ``total`` entries held by a batch row in all heads."""
         return not decoding
 
+    def row_limit(self, decoding: bool, budget: int | None) -> int | None:
+        """Rows of a batch are independent requests: when the schedule fires, only rows whose longest head
+        holds more than this compact (None: every row). The same rule as :meth:`fires`, per row."""
+        return None
+
 
 @dataclass(frozen=True)
 class Prefill(Schedule):
@@ -77,6 +82,9 @@ class Decode(Schedule):
             return True
         return total_budget is not None and total > total_budget + self.buffer * heads
 
+    def row_limit(self, decoding: bool, budget: int | None) -> int | None:
+        return budget + self.buffer if decoding and budget is not None else None
+
 
 @dataclass(frozen=True)
 class Blockwise(Schedule):
@@ -107,6 +115,9 @@ class Blockwise(Schedule):
         if total_budget is None:
             return False
         return total > total_budget + (self.buffer * heads if decoding else 0)
+
+    def row_limit(self, decoding: bool, budget: int | None) -> int | None:
+        return None if budget is None else budget + (self.buffer if decoding else 0)
 
 
 SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (Prefill, Decode, Blockwise)}

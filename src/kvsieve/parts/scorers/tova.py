@@ -36,18 +36,18 @@ class LastQueryAttention(Scorer):
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         last_row = step.window_rows(1)[:, :, -1]
-        if self.heads == "layer" and _heads_aligned(step):
-            shared = last_row.mean(dim=1, keepdim=True)
-            return shared.expand(-1, step.kv_heads, -1)
-        return reduce_groups(last_row, step.kv_heads, "mean")
+        per_group = reduce_groups(last_row, step.kv_heads, "mean")
+        if self.heads == "group":
+            return per_group
+        shared = last_row.mean(dim=1, keepdim=True).expand(-1, step.kv_heads, -1)
+        aligned = _rows_with_aligned_heads(step)  # decided per row: rows are independent requests
+        return torch.where(aligned[:, None, None], shared, per_group)
 
 
-def _heads_aligned(step: LayerStep) -> bool:
-    """Every KV head of each row holds the same positions (so an average over all heads is per token)."""
+def _rows_with_aligned_heads(step: LayerStep) -> torch.Tensor:
+    """``(batch,)``: every KV head of the row holds the same positions (an average over all heads is per token)."""
     view = step.view
-    if step.kv_heads == 1:
-        return True
     same = view.positions == view.positions[:, :1]
     if view.valid is not None:
         same = same & (view.valid == view.valid[:, :1])
-    return bool(same.all())
+    return same.flatten(1).all(dim=1)

@@ -1,0 +1,397 @@
+"""Property-based tests: random policy × parameters × architecture × left-padded batch × schedule × decoding
+steps × second turn, on the tiny models (hypothesis, derandomized: the same examples on every run).
+
+For each drawn configuration the batch runs through the public API (prompt, decoding steps, optionally a
+second multi-token turn and more steps) and every property below is checked:
+
+* **budgets** — after every forward, every managed head within its budget: uniform allocators ≤ the
+  layer budget (+ the decoding steps since the last prompt under ``prefill``, + ``buffer`` under
+  ``decode``/``blockwise``); adaptive: per row and layer ``Σ heads ≤ H·B``; global: per row over every
+  managed layer ``Σ ≤ Σ_l H·B_l``; ``blockwise`` peaks ≤ ``B + block_size`` (+ ``buffer`` after decoding
+  steps) through ``peak_head_length()``. At every compaction: protected (``+inf``) entries are kept,
+  padding is not, and the counts are the allocator's rule (uniform: ``min(max(target, protected), held)``;
+  adaptive/global: between ``min(total, held)`` and ``max(total, Σ min(max(target, protected), held))``),
+  with ``target`` the layer budget or ``⌈n·(1 - ratio)⌉`` of the decimal ratio;
+* **kept positions** strictly increasing, real (never a padding slot) and < tokens seen; models that do
+  not evict hold every token;
+* **finite logits**;
+* **determinism** — the same inputs on a fresh cache give identical kept positions and bit-identical
+  logits; and the same run without inspecting the cache between forwards gives the same results, unless a
+  second turn directly follows the prompt (uninspected, it continues the prompt: one compaction);
+* **row independence** — each row equals that row run alone (kept positions exactly, logits within 1e-4),
+  up to near-ties of float noise (see ``test_row_independence.compare_row``), inspected after every
+  forward and not, except for the row dependences listed in ``test_row_independence.KNOWN_ROW_DEPENDENCE``
+  (causes outside the allocators, each with a strict-xfail reproducer there);
+* **the model is left as it was** — afterwards the same model instance with a ``DynamicCache`` gives
+  logits ``torch.equal`` to an untouched copy's (:func:`test_model_unchanged_after_kvsieve`), and the same
+  with a ``StaticCache`` (:func:`test_model_unchanged_after_kvsieve_static_cache`, a separate test so it can
+  be disabled on its own: set ``STATIC_CACHE_CHECK = False``).
+
+Prompts are ≤ 40 distinct tokens (a prompt repeating one token makes CAOTE/ReST-KV scores float noise
+around 0, whose order no tolerance can tell from a dependence). Known bugs outside the allocators are
+switched off in the checks by ``BLOCK_OF_ONE_IS_A_DECODING_STEP`` and ``KNOWN_ROW_DEPENDENCE``.
+
+Runtime: ``MAX_EXAMPLES`` = 25 examples per preset (18 presets; fewer for the cache-compatibility tests),
+about 32 s on one CPU thread. ``KVSIEVE_PROPERTY_EXAMPLES=500`` runs a longer hunt (~15 min).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from fractions import Fraction
+from typing import Any
+
+import pytest
+import torch
+from conftest import ARCHS, GEMMA3_SLIDING_WINDOW, get_model
+from helpers import left_pad
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+from test_row_independence import Program, RunResult, compare_row, known_row_dependence, one_query_blocks, run_rows
+from transformers import DynamicCache, StaticCache
+
+import kvsieve
+from kvsieve.parts.allocators import Adaptive, GlobalBudget
+from kvsieve.parts.base import PolicyConfigError
+
+#: Examples per preset (18 presets); ``KVSIEVE_PROPERTY_EXAMPLES`` overrides it for a longer hunt.
+MAX_EXAMPLES = int(os.environ.get("KVSIEVE_PROPERTY_EXAMPLES", "25"))
+STATIC_EXAMPLES = 4
+#: Flip to False to disable the StaticCache property on its own.
+STATIC_CACHE_CHECK = True
+MAX_PROMPT = 40
+VOCAB_IDS = st.integers(3, 127)  # no pad/bos/eos
+
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture,
+                           HealthCheck.data_too_large],
+)
+
+ADAKV_BASES = ("snapkv", "h2o", "tova", "streaming_llm", "restkv", "snapkv_caote", "h2o_fastcaote", "random")
+
+# ---------------------------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def policies(draw: st.DrawFn, name: str) -> tuple[str, dict[str, Any], kvsieve.Policy]:
+    """Parameters that make a valid policy of preset ``name`` (invalid draws are rejected)."""
+    preset = kvsieve.list_policies()[name]
+    params: dict[str, Any] = {}
+    if name == "adakv":
+        params["base"] = draw(st.sampled_from(ADAKV_BASES))
+    accepted = preset.parameters(params.get("base"))
+    evicts = preset.scorer is not None or preset.base_param
+    if evicts or preset.selector is not None:
+        if evicts and draw(st.integers(0, 3)) == 0:
+            params["ratio"] = draw(st.integers(0, 99)) / 100  # a decimal ratio
+        else:
+            params["budget"] = draw(st.integers(1, 24))
+    budget = params.get("budget")
+    if "window" in accepted and name != "random":
+        params["window"] = draw(st.integers(0, min(budget, 8) if budget is not None else 8))
+    elif name == "random":
+        params["window"] = draw(st.sampled_from([0, 0, 1, 3]))
+        params["seed"] = draw(st.integers(0, 3))
+    if "recent_ratio" in accepted:
+        params["recent_ratio"] = draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+    if "sinks" in accepted:
+        params["sinks"] = draw(st.integers(0, min(budget, 4) if budget is not None else 4))
+    if "pooling" in accepted and draw(st.booleans()):
+        params["pooling"] = draw(st.sampled_from(["avgpool", "maxpool"]))
+        params["kernel_size"] = draw(st.sampled_from([1, 3, 5, 7]))
+    if "floor" in accepted:
+        params["floor"] = draw(st.sampled_from(["outside_window", "budget"]))
+        params["floor_alpha"] = draw(st.sampled_from([0.0, 0.2, 0.5, 1.0]))
+    if "heads" in accepted:
+        params["heads"] = draw(st.sampled_from(["layer", "group"]))
+    if evicts and draw(st.integers(0, 4)) == 0:
+        params["allocator"] = draw(st.sampled_from(["uniform", "pyramid", "adaptive", "global"]))
+    if evicts and draw(st.integers(0, 7)) == 0:
+        params["expand_gqa"] = True
+    try:
+        kvsieve.make_policy(name, **params)
+    except PolicyConfigError:
+        assume(False)
+    schedules = kvsieve.make_policy(name, **params).schedules()
+    if budget is None:
+        schedules = tuple(s for s in schedules if s == "prefill")
+    assume(schedules)
+    schedule = draw(st.sampled_from(schedules))
+    if schedule != "prefill":
+        params["schedule"] = schedule
+        params["buffer"] = draw(st.integers(0, 4))
+    if schedule == "blockwise":
+        params["block_size"] = draw(st.integers(1, 12))
+    try:
+        policy = kvsieve.make_policy(name, **params)
+    except PolicyConfigError:
+        assume(False)
+    return name, params, policy
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[list[torch.Tensor], Program]:
+    """1–3 prompts (left-padded together), decoding steps, an optional second turn and more steps."""
+    batch = draw(st.sampled_from([1, 2, 2, 3, 3]))
+    # distinct tokens within a prompt: a prompt repeating one token has identical values, hence scores
+    # that are float noise around 0 (CAOTE, ReST-KV), whose order no tolerance can tell apart from a bug
+    prompts = st.lists(VOCAB_IDS, min_size=1, max_size=MAX_PROMPT, unique=True)
+    rows = [torch.tensor(draw(prompts)) for _ in range(batch)]
+    steps: list[tuple[str, Any]] = [("decode", t) for t in draw(st.lists(VOCAB_IDS, max_size=4))]
+    if draw(st.booleans()):
+        steps.append(("extend", torch.tensor([draw(st.lists(VOCAB_IDS, min_size=2, max_size=10))])))
+        steps += [("decode", t) for t in draw(st.lists(VOCAB_IDS, max_size=2))]
+    return rows, Program(steps)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def ratio_target(n: int, ratio: float) -> int:
+    """``⌈n·(1 - ratio)⌉`` with the decimal ratio, exactly."""
+    return math.ceil(n * (1 - Fraction(repr(ratio))))
+
+
+def layer_target(policy: kvsieve.Policy, cache: kvsieve.KVCache, layer: int, held: int) -> int:
+    if policy.budget is None:
+        assert policy.ratio is not None
+        return ratio_target(held, policy.ratio)
+    window = policy.scorer.protected_window() if policy.scorer is not None else 0
+    return policy.allocator.layer_budget(policy.budget, layer, cache.info.num_layers, window)
+
+
+def check_positions(run: RunResult, rows: list[torch.Tensor]) -> None:
+    """Kept positions strictly increasing, real and < tokens seen; non-evicting policies hold everything."""
+    seen = run.seen[-1]
+    policy = run.cache.policy
+    sliding = run.cache.info.sliding_windows
+    for (layer, b, _h), kept in run.kept.items():
+        own = seen - run.pads[b]  # tokens of this row
+        assert all(0 <= p < own for p in kept), (layer, b, kept, own)
+        assert all(x < y for x, y in itertools.pairwise(kept)), (layer, b, kept)
+        if sliding[layer] is not None:
+            assert len(kept) <= sliding[layer]
+            assert not kept or kept[0] >= own - sliding[layer] + 1
+        elif not policy.evicts:
+            assert kept == list(range(own)), (layer, b, kept)
+
+
+def check_events(run: RunResult, policy: kvsieve.Policy) -> None:
+    """Every compaction keeps its protected entries, no padding, and the allocator's counts."""
+    cache = run.cache
+    allocator = policy.allocator
+    for compaction in run.events:
+        inf = torch.isposinf(compaction.scores) & compaction.valid
+        assert bool((compaction.kept <= compaction.valid).all()), "a padding slot was kept"
+        assert bool((compaction.kept | ~inf).all()), "a protected (+inf) entry was dropped"
+        held = compaction.valid.sum(dim=-1)
+        kept = compaction.kept.sum(dim=-1)
+        protected = inf.sum(dim=-1)
+        target = torch.tensor([[layer_target(policy, cache, compaction.layer, int(n)) for n in row] for row in held])
+        ceiling = torch.minimum(torch.maximum(target, protected), held)
+        if isinstance(allocator, GlobalBudget):
+            continue  # layers keeping everything are not planned: the total is checked on head lengths
+        # a row compacts only when it is over its own limit (schedules' row_limit): rows the plan leaves whole
+        # are checked by the budget bounds on head lengths, not here
+        touched = ~(kept == held).all(dim=1)
+        if not bool(touched.any()):
+            continue
+        target, ceiling, held, kept = target[touched], ceiling[touched], held[touched], kept[touched]
+        if isinstance(allocator, Adaptive):
+            check_total(target, ceiling, held, kept)
+        else:
+            assert torch.equal(kept, ceiling), (compaction.layer, kept.tolist(), ceiling.tolist())
+
+
+def check_total(target: torch.Tensor, ceiling: torch.Tensor, held: torch.Tensor, kept: torch.Tensor) -> None:
+    """Per row: at least ``min(Σ target, Σ held)``, at most ``max(Σ target, Σ ceiling)``."""
+    total, low = kept.sum(dim=1), torch.minimum(target.sum(dim=1), held.sum(dim=1))
+    high = torch.maximum(target.sum(dim=1), ceiling.sum(dim=1))
+    assert bool((low <= total).all()) and bool((total <= high).all()), (kept.tolist(), target.tolist())
+
+
+def prompt_continued(rows: list[torch.Tensor], program: Program) -> bool:
+    """A second turn right after a multi-token prompt (no decoding step between): one prompt, uninspected."""
+    return max(len(r) for r in rows) > 1 and bool(program.steps) and program.steps[0][0] == "extend"
+
+
+def protected_bound(policy: kvsieve.Policy) -> int:
+    """Most entries a head's scorer protects whatever its budget (the window or the sinks)."""
+    scorer = policy.scorer
+    base = getattr(scorer, "base", None)
+    return max((max(s.protected_window(), getattr(s, "sinks", 0)) for s in (scorer, base) if s is not None),
+               default=0)
+
+
+def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Program):
+    """``after_forward`` callback asserting the budgets after every forward (budget policies)."""
+    kinds = ["prompt"] + [kind for kind, _ in program.steps]
+    one_query = BLOCK_OF_ONE_IS_A_DECODING_STEP and one_query_blocks(policy, [len(r) for r in rows], program)
+    schedule = policy.schedule.name
+    buffer = getattr(policy.schedule, "buffer", 0)
+    slack = {"steps": 0}
+
+    def check(cache: kvsieve.KVCache, i: int) -> None:
+        lengths = cache.head_lengths()
+        managed = list(cache.info.managed_layers)
+        for layer, window in enumerate(cache.info.sliding_windows):
+            if window is not None:
+                assert int(lengths[layer].max()) <= GEMMA3_SLIDING_WINDOW
+        multi = kinds[i] != "decode" and (i > 0 or max(len(r) for r in rows) > 1)
+        slack["steps"] = 0 if multi else slack["steps"] + 1
+        if policy.budget is None or policy.scorer is None:
+            return
+        if schedule == "prefill":
+            extra = slack["steps"]
+        elif schedule == "decode":
+            extra = buffer
+        else:  # blockwise: back to the budget after each block; decoding steps evict past budget + buffer
+            extra = 0 if multi and not one_query else buffer
+        heads = lengths.shape[2]
+        budgets = {layer: layer_target(policy, cache, layer, 0) for layer in managed}
+        if isinstance(policy.allocator, GlobalBudget):
+            total = sum(heads * budgets[layer] for layer in managed)
+            held = lengths[managed].sum(dim=(0, 2))
+            allowance = heads * buffer if schedule == "decode" else heads * len(managed) * slack["steps"]
+            assert bool((held <= total + allowance).all()), (held.tolist(), total)
+        elif isinstance(policy.allocator, Adaptive):
+            for layer in managed:
+                held = lengths[layer].sum(dim=-1)
+                # prefill: the decoding steps since the last prompt; blockwise: a decoding step evicts as soon
+                # as a head exceeds budget + buffer, so no head holds more than that without eviction
+                steps = slack["steps"] if schedule == "prefill" else min(slack["steps"], buffer)
+                if schedule == "blockwise" and one_query:
+                    steps = buffer
+                allowance = heads * steps
+                assert bool((held <= heads * budgets[layer] + allowance).all()), (layer, held.tolist())
+        else:
+            protected = protected_bound(policy)  # kept even above a (pyramid) layer budget
+            for layer in managed:
+                bound = max(budgets[layer], protected) + extra
+                assert int(lengths[layer].max()) <= bound, (layer, lengths[layer].tolist(), bound)
+        if schedule == "blockwise" and not isinstance(policy.allocator, Adaptive):
+            block = policy.schedule.block_length()
+            assert block is not None
+            decoded = one_query or any(kind == "decode" for kind in kinds[: i + 1])
+            bound = max(max(budgets.values()), protected_bound(policy)) + block + (buffer if decoded else 0)
+            assert cache.peak_head_length() <= bound, (cache.peak_head_length(), bound)
+
+    return check
+
+
+#: Known bug (engine.py): a blockwise block of a single query (``block_size=1``, or the last block of a
+#: prompt of ``k·block_size + 1`` tokens) is taken for a decoding step, so the decoding ``buffer`` applies
+#: inside prompts (strict xfail :func:`test_blockwise_block_of_one_query_is_not_a_decoding_step`). Set to
+#: False once fixed: the budgets are then checked without that allowance.
+BLOCK_OF_ONE_IS_A_DECODING_STEP = True
+
+
+def plain_logits(model: torch.nn.Module, rows: list[torch.Tensor], static: bool) -> list[torch.Tensor]:
+    """Prompt + 2 decoding steps of a plain transformers cache on the left-padded batch."""
+    ids, mask, _ = left_pad(rows)
+    if static:
+        cache: Any = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    else:
+        cache = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        out.append(logits)
+        for token in (5, 6):
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
+            new = torch.full((len(rows), 1), token)
+            out.append(model(new, attention_mask=mask, past_key_values=cache).logits)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+
+PRESETS = sorted(kvsieve.list_policies())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@SETTINGS
+@given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
+def test_policy_properties(preset, data, arch, request):
+    name, params, policy = data.draw(policies(preset), label="policy")
+    rows, program = request
+    event(f"schedule {policy.schedule.name}"), event(f"batch {len(rows)}")
+    event(f"{'ratio' if policy.ratio is not None else 'budget'}, allocator {policy.allocator.name}")
+    model = get_model(arch, "kv")
+    batched = run_rows(model, rows, name, params, program, after_forward=budget_checker(policy, rows, program))
+
+    check_positions(batched, rows)
+    check_events(batched, policy)
+    for logits in batched.logits:
+        assert bool(torch.isfinite(logits).all())
+
+    # determinism: a fresh cache on the same inputs
+    again = run_rows(model, rows, name, params, program)
+    assert again.kept == batched.kept
+    assert all(torch.equal(x, y) for x, y in zip(again.logits, batched.logits, strict=True))
+
+    # without inspection between forwards (a second turn right after the prompt then continues it)
+    free = run_rows(model, rows, name, params, program, inspect=False)
+    for logits in free.logits:
+        assert bool(torch.isfinite(logits).all())
+    check_positions(free, rows)
+    if not prompt_continued(rows, program):  # then inspecting changes nothing
+        assert free.kept == batched.kept
+        assert all(torch.equal(x, y) for x, y in zip(free.logits, batched.logits, strict=True))
+
+    # row independence: each row alone, with and without inspection
+    if len(rows) > 1 and not known_row_dependence(policy, [len(r) for r in rows], program):
+        for b, row in enumerate(rows):
+            for inspect, run in ((True, batched), (False, free)):
+                if not inspect and not prompt_continued(rows, program):
+                    continue  # the same runs
+                alone = run_rows(model, [row], name, params, program, inspect=inspect)
+                outcome, why = compare_row(run, alone, b)
+                assert outcome != "differs", f"row {b} (length {len(row)}, pad {run.pads[b]}), {inspect=}: {why}"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@settings(SETTINGS, max_examples=max(MAX_EXAMPLES // 3, 1))
+@given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
+def test_model_unchanged_after_kvsieve(preset, data, arch, request):
+    """The model a kvsieve cache used gives bit-identical DynamicCache outputs to an untouched copy."""
+    name, params, _ = data.draw(policies(preset), label="policy")
+    rows, program = request
+    model = get_model(arch, "kv")
+    run_rows(model, rows, name, params, program)
+    assert model.config._attn_implementation == "kvsieve"
+    for mine, theirs in zip(plain_logits(model, rows, False), plain_logits(get_model(arch, "ref"), rows, False),
+                            strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.skipif(not STATIC_CACHE_CHECK, reason="StaticCache property disabled (STATIC_CACHE_CHECK)")
+@pytest.mark.parametrize("preset", PRESETS)
+@settings(SETTINGS, max_examples=STATIC_EXAMPLES)
+@given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
+def test_model_unchanged_after_kvsieve_static_cache(preset, data, arch, request):
+    """Same with a StaticCache: the kvsieve attention must leave transformers' static path untouched."""
+    name, params, _ = data.draw(policies(preset), label="policy")
+    rows, program = request
+    model = get_model(arch, "kv")
+    run_rows(model, rows, name, params, program)
+    for mine, theirs in zip(plain_logits(model, rows, True), plain_logits(get_model(arch, "ref"), rows, True),
+                            strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a block of one query is taken for a decoding step (buffer applies)")
+def test_blockwise_block_of_one_query_is_not_a_decoding_step():
+    """Blockwise evicts back to the budget after every block of a prompt, whatever the block size."""
+    model = get_model("llama", "kv")
+    cache = kvsieve.KVCache(model, "h2o", budget=4, schedule="blockwise", block_size=1, buffer=3)
+    with torch.no_grad():
+        model(torch.arange(3, 13)[None], past_key_values=cache)
+    assert int(cache.head_lengths().max()) <= 4  # holds 6: evicted only past budget + buffer
