@@ -65,7 +65,8 @@ def prefill_shared(
     for idx, layer in enumerate(lead.layers):
         layer.followers = [c.layers[idx] for c in followers]
     try:
-        return model(input_ids=input_ids, past_key_values=lead, use_cache=True, **forward_kwargs)
+        with torch.no_grad():  # a KVCache does not support autograd
+            return model(input_ids=input_ids, past_key_values=lead, use_cache=True, **forward_kwargs)
     except BaseException:
         for cache in caches:
             cache.reset()

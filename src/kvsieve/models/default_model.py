@@ -154,4 +154,7 @@ def load_default_model(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
+    # an inference model: frozen, so a forward with a KVCache needs no torch.no_grad() around it
+    # (KVCache refuses autograd); call model.requires_grad_(True) to train it
+    model.requires_grad_(False)
     return model, tokenizer
