@@ -217,6 +217,9 @@ class KVCache(Cache):
         if isinstance(policy, Policy) and params:
             raise ValueError("pass parameters inside the Policy object, not as keyword arguments")
         info = model_info(model)
+        check_model = getattr(resolved.action, "check_model", None)
+        if check_model is not None:  # parts that read the model itself (EMS un-rotates keys with its rope)
+            check_model(model.config, info)
         self.policy: Policy = resolved
         self.info: ModelInfo = info
         self.model_config = model.config

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvsieve.parts.actions import ACTIONS, Action
+from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, Pyramid, Uniform
 from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
     AccumulatedAttention,
     Caote,
+    GlobalLocal,
     LastQueryAttention,
     OutputReconstruction,
     RandomScores,
@@ -52,12 +53,16 @@ class Preset:
     base_param: bool = False
     #: Parameter name → part kind, where a name would otherwise be ambiguous.
     routes: dict[str, str] = field(default_factory=dict)
+    #: The preset's own action (EMS: evict-then-merge); None: ``evict``.
+    action: type[Action] | None = None
+    #: The schedule used when none is given (EMS compresses at prefill and while decoding).
+    schedule: str = "prefill"
 
     def parameters(self, base: str | None = None) -> list[str]:
         """Every parameter this preset accepts (with the default scorer for ``adakv``)."""
         names = list(POLICY_PARAMS)
         scorer = _scorer_class(self, base or "snapkv")
-        for cls in (scorer, self.allocator, self.selector):
+        for cls in (scorer, self.allocator, self.selector, self.action):
             if cls is not None:
                 names += [f.name for f in fields(cls) if f.name not in names and f.name != "base"]
                 names += [a for a in cls.aliases if a not in names]
@@ -97,6 +102,8 @@ PRESETS: dict[str, Preset] = {
             for base, cls in (("h2o", AccumulatedAttention), ("tova", LastQueryAttention), ("snapkv", WindowAttention))
             for fast in (False, True)
         ),
+        Preset("ems", "EMS: Global-Local score (w=32, kernel 7), head-wise evict-then-merge (γ=4, τ=0.6), "
+               "prefill and decoding", GlobalLocal, action=EvictThenMerge, schedule="decode"),
     )
 }
 
@@ -161,7 +168,7 @@ def make_policy(name: str, **params: Any) -> Policy:
         allocator_cls = type(allocator)
     elif allocator is not None:
         raise PolicyConfigError(f"{name}: allocator must be a name or an Allocator; got {allocator!r}")
-    action = params.pop("action", "evict")
+    action = params.pop("action", p.action.name if p.action is not None else "evict")
     if isinstance(action, str) and action not in ACTIONS:
         raise PolicyConfigError(f"{name}: action must be one of {sorted(ACTIONS)}; got {action!r}")
     classes: dict[str, type[Part] | None] = {
@@ -169,7 +176,7 @@ def make_policy(name: str, **params: Any) -> Policy:
         "action": ACTIONS[action] if isinstance(action, str) else type(action),
     }
     policy_kw: dict[str, Any] = {k: params.pop(k) for k in ("budget", "ratio", "expand_gqa") if k in params}
-    schedule = params.pop("schedule", "prefill")
+    schedule = params.pop("schedule", p.schedule)
     buffer, block_size = params.pop("buffer", 0), params.pop("block_size", 128)
     per_part: dict[str, dict[str, Any]] = {"scorer": {}, "allocator": {}, "selector": {}, "action": {}}
     aliased: dict[tuple[str, str], str] = {}

@@ -1,8 +1,9 @@
 """Actions: what happens to the entries a plan does not keep (evict; merge)."""
 
 from kvsieve.parts.actions.base import Action, Evict
+from kvsieve.parts.actions.evict_merge import EvictThenMerge
 from kvsieve.parts.actions.merge import Merge
 
-ACTIONS: dict[str, type[Action]] = {cls.name: cls for cls in (Evict, Merge)}
+ACTIONS: dict[str, type[Action]] = {cls.name: cls for cls in (Evict, Merge, EvictThenMerge)}
 
-__all__ = ["ACTIONS", "Action", "Evict", "Merge"]
+__all__ = ["ACTIONS", "Action", "Evict", "EvictThenMerge", "Merge"]

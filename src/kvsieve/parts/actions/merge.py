@@ -10,7 +10,10 @@ executes any such plan exactly:
 * values are merged as the weighted mean ``(w_c v_c + Σ_i w_i v_i) / (w_c + Σ_i w_i)``;
 * keys are merged as directions with the norm kept apart: the weighted mean of the unit directions,
   renormalised, times the weighted mean of the norms — so merging copies of a key returns that key;
-* ``w_c`` defaults to the kept entry's own count; ``w_i`` comes from the plan (e.g. attention scores).
+* ``w_c`` defaults to the kept entry's own count; ``w_i`` comes from the plan (e.g. attention scores);
+* a plan carrying a ``rotary`` table (:class:`RawKeyPlan`, EMS) merges keys in raw (pre-RoPE) space: every
+  key involved is un-rotated at its stored position, merged, and the result re-rotated at the receiving
+  entry's position (which it keeps).
 
 The base class assigns nothing (it behaves exactly like eviction but keeps counts).
 """
@@ -26,8 +29,16 @@ from kvsieve.cache.store import LayerStore, SideSpec
 from kvsieve.engine.plan import Plan
 from kvsieve.engine.step import MERGE_COUNT, LayerStep
 from kvsieve.parts.actions.base import Action
+from kvsieve.scores.rope import RotaryTable, rotate, unrotate
 
 EPS = 1e-12
+
+
+@dataclass
+class RawKeyPlan(Plan):
+    """A plan whose key merges happen on raw keys, un-rotated with the layer's rotary table."""
+
+    rotary: RotaryTable | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,11 @@ def merge_kept(store: LayerStore, plan: Plan) -> tuple[torch.Tensor, torch.Tenso
     segs, width = plan.keep.shape
     start = store.start.to(device)
     keep_rows = (start[:, None] + plan.keep.to(device).clamp(max=max(store.keys.shape[0] - 1, 0)))
+    rotary: RotaryTable | None = getattr(plan, "rotary", None)
     keys = store.keys[keep_rows].float()
+    if rotary is not None:
+        stored_keys, keep_positions = keys, store.positions[keep_rows]
+        keys = unrotate(keys, keep_positions, rotary)
     values = store.values[keep_rows].float()
     counts = store.extras[MERGE_COUNT][keep_rows].float() if MERGE_COUNT in store.extras else torch.ones(
         segs, width, device=device)
@@ -86,6 +101,8 @@ def merge_kept(store: LayerStore, plan: Plan) -> tuple[torch.Tensor, torch.Tenso
         slot = seg_of * width + plan.merge_target.to(device)[active]
         w = plan.merge_weight.to(device).float()[active]
         src_keys = store.keys[src_rows].float()
+        if rotary is not None:
+            src_keys = unrotate(src_keys, store.positions[src_rows], rotary)
         src_norms = src_keys.norm(dim=-1, keepdim=True)
         src_counts = store.extras[MERGE_COUNT][src_rows].float() if MERGE_COUNT in store.extras else torch.ones_like(w)
         d = keys.shape[-1]
@@ -98,6 +115,8 @@ def merge_kept(store: LayerStore, plan: Plan) -> tuple[torch.Tensor, torch.Tenso
     direction = direction_sum / direction_sum.norm(dim=-1, keepdim=True).clamp(min=EPS)
     merged_keys = direction * (norm_sum / total)
     merged_values = value_sum / total
+    if rotary is not None:
+        merged_keys, keys = rotate(merged_keys, keep_positions, rotary), stored_keys
     untouched = (weight_sum == own)[..., None]  # nothing merged in: keep the exact original bits
     merged_keys = torch.where(untouched, keys, merged_keys)
     merged_values = torch.where(untouched, values, merged_values)

@@ -2,6 +2,7 @@
 
 from kvsieve.parts.scorers.base import Scorer, protect_recent
 from kvsieve.parts.scorers.caote import Caote
+from kvsieve.parts.scorers.global_local import GlobalLocal
 from kvsieve.parts.scorers.h2o import AccumulatedAttention
 from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.parts.scorers.restkv import OutputReconstruction
@@ -12,13 +13,15 @@ from kvsieve.parts.scorers.tova import LastQueryAttention
 #: Scorers by the name ``str()`` and ``kvsieve list`` show.
 SCORERS: dict[str, type[Scorer]] = {
     cls.name: cls
-    for cls in (WindowAttention, AccumulatedAttention, LastQueryAttention, Sinks, RandomScores, OutputReconstruction)
+    for cls in (WindowAttention, AccumulatedAttention, LastQueryAttention, Sinks, RandomScores, OutputReconstruction,
+                GlobalLocal)
 }
 
 __all__ = [
     "SCORERS",
     "AccumulatedAttention",
     "Caote",
+    "GlobalLocal",
     "LastQueryAttention",
     "OutputReconstruction",
     "RandomScores",

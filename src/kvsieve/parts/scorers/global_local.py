@@ -1,0 +1,102 @@
+"""``ems`` scorer — Global-Local score (Li et al. 2025, "EMS: Adaptive Evict-then-Merge Strategy for Head-wise
+KV Cache Compression Based on Global-Local Importance", ``papers/ems.txt`` Sec. 3.3, Eq. 2).
+
+* ``s_glo`` = attention accumulated over **every** query so far (the prompt's, blockwise through the
+  kernel's column sums — never N×N — then each decoding query's row), kept per entry as side data
+  ``ems_global``, like H2O's accumulator;
+* ``s_loc`` = ``s_loc^past + s_loc^cur`` (Sec. 3.3): at a prompt, ``past`` = the attention of its last
+  ``window`` queries and ``cur`` = 0; at decoding each new row is added to ``cur`` and once ``cur``
+  holds ``window`` rows it becomes ``past`` and restarts at zero, so ``s_loc`` covers the last
+  ``window … 2·window − 1`` queries (side data ``ems_local_past``, ``ems_local_cur``, and
+  ``ems_local_rows`` — how many rows ``cur`` holds, the same value stored on every entry so that it moves
+  with the entries and survives copies, batch selection and compaction);
+* Eq. 2: ``s = max(s_glo · mean(s_loc)/mean(s_glo), s_loc)`` element-wise, the means over the head's held
+  entries (the paper's ``Σ/N``), then mean pooling with ``kernel_size`` (Sec. 4.2, "to avoid extracting
+  fragmented information"; 7 in the paper) — zero-padded average, as SnapKV's reference pooling;
+* the newest ``window`` entries are always kept (``+inf``; the paper's ``L_win`` local tokens).
+
+Readings (not fixed by the paper): scores are reduced over each GQA group by the mean *before* Eq. 2 (one
+selection per KV head; the paper's models are mostly MHA); the protected window's own scores are zeroed
+before pooling so their self-attention does not leak into the prefix (SnapKV's reference code does the
+same); a merged centre keeps its own accumulated scores (the merged tokens' past scores are not added —
+its future rows carry the ``log n`` bias, so it collects ``n`` tokens' worth of attention from then on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.cache.store import SideSpec
+from kvsieve.engine.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
+from kvsieve.parts.base import PolicyConfigError, require_int
+from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
+from kvsieve.scores.gqa import reduce_groups
+from kvsieve.scores.pooling import pool_scores
+
+GLOBAL = "ems_global"
+LOCAL_PAST = "ems_local_past"
+LOCAL_CUR = "ems_local_cur"
+LOCAL_ROWS = "ems_local_rows"
+
+
+def global_local(s_glo: torch.Tensor, s_loc: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Eq. 2 over the last axis: ``max(s_glo · mean(s_loc)/mean(s_glo), s_loc)`` with means over ``valid`` entries.
+
+    A head whose ``s_glo`` sums to zero (nothing attended yet) uses ``s_loc`` alone.
+    """
+    g = s_glo.float().masked_fill(~valid, 0.0)
+    loc = s_loc.float().masked_fill(~valid, 0.0)
+    ratio = loc.sum(-1, keepdim=True) / g.sum(-1, keepdim=True)  # the 1/N of both means cancels
+    ratio = torch.where(torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
+    return torch.maximum(g * ratio, loc)
+
+
+@dataclass(frozen=True)
+class GlobalLocal(Scorer):
+    """EMS's Global-Local score (Eq. 2) with mean pooling; keeps the local window; any schedule."""
+
+    name: ClassVar[str] = "ems"
+    SCHEDULES: ClassVar[tuple[str, ...]] = ALL_SCHEDULES
+    NEEDS: ClassVar[frozenset[str]] = frozenset({COLUMN_SUMS, WINDOW_ROWS})
+    SIDE: ClassVar[tuple[SideSpec, ...]] = (
+        SideSpec(GLOBAL), SideSpec(LOCAL_PAST), SideSpec(LOCAL_CUR), SideSpec(LOCAL_ROWS),
+    )
+    window: int = 32
+    kernel_size: int = 7
+
+    def validate(self) -> None:
+        require_int(self.name, "window", self.window, 1)
+        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
+                or self.kernel_size % 2 == 0:
+            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
+        extras = step.view.extras
+        valid = step.entry_valid()
+        heads = step.kv_heads
+        glo = reduce_groups(step.all_column_sums(), heads, "mean")
+        past, cur, rows = extras[LOCAL_PAST].float(), extras[LOCAL_CUR].float(), extras[LOCAL_ROWS].float()
+        if not step.is_decoding:  # a prompt (or a block of one): past = its last `window` queries, cur restarts
+            local = reduce_groups(step.window_rows(self.window).sum(dim=2), heads, "mean")
+            return {GLOBAL: glo, LOCAL_PAST: local - past, LOCAL_CUR: -cur, LOCAL_ROWS: -rows}
+        held = rows.masked_fill(~valid, 0.0).amax(dim=-1, keepdim=True)  # new entries hold 0, the others the count
+        new_cur = cur + glo
+        swap = (held + 1.0) >= self.window
+        new_past = torch.where(swap, new_cur, past)
+        new_cur = torch.where(swap, torch.zeros_like(new_cur), new_cur)
+        new_rows = torch.where(swap, torch.zeros_like(held), held + 1.0).expand_as(rows)
+        return {GLOBAL: glo, LOCAL_PAST: new_past - past, LOCAL_CUR: new_cur - cur, LOCAL_ROWS: new_rows - rows}
+
+    def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
+        extras = step.view.extras
+        valid = step.entry_valid()
+        s_loc = extras[LOCAL_PAST].float() + extras[LOCAL_CUR].float()
+        scores = global_local(extras[GLOBAL], s_loc, valid)
+        lengths = step.lengths()
+        offsets = torch.arange(scores.shape[-1], device=scores.device)
+        in_window = offsets.view(1, 1, -1) >= (lengths - self.window).unsqueeze(-1)
+        scores = scores.masked_fill(in_window | ~valid, 0.0)
+        return pool_scores(scores, self.kernel_size, "avgpool")

@@ -1,0 +1,111 @@
+"""Rotary position embedding of one layer as data: un-rotate stored keys to their raw (pre-RoPE) form and
+rotate raw keys to any position (EMS, ``papers/ems.txt`` Sec. 4.1: redundancy is measured on *raw* keys,
+"the superimposed positional encoding can attenuate the similarity").
+
+The table is read from the model's config exactly as transformers builds it (``rope_parameters``: the
+base ``rope_theta``, ``partial_rotary_factor`` — Phi3-style partial rotary, only the first ``rotary_dim``
+dimensions turn — and the static scaled types ``linear``, ``llama3``, ``yarn``, ``proportional`` through
+transformers' own ``ROPE_INIT_FUNCTIONS``). Models with one rope per layer type (Gemma3: a local base
+for sliding layers, a global one for full layers) get the table of the layer's type. Rope types whose
+frequencies depend on the sequence length (``dynamic``, ``longrope``) are refused: a stored key cannot
+be un-rotated without knowing the table it was rotated with.
+
+Rotation is transformers' ``x·cos + rotate_half(x)·sin`` with ``cos, sin`` scaled by the attention
+factor ``s``; it is ``s`` times an orthogonal map, so its inverse is ``(x·cos − rotate_half(x)·sin)/s²``
+with the same (scaled) ``cos, sin``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Rope types whose table does not depend on the sequence length (transformers' names).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+class UnsupportedRotaryError(ValueError):
+    """A model's rotary embedding cannot be inverted from stored positions."""
+
+
+@dataclass(frozen=True)
+class RotaryTable:
+    """Inverse frequencies ``(rotary_dim / 2,)``, attention scaling and how many leading dims rotate."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+    rotary_dim: int
+
+
+def _layer_params(config: Any, layer_idx: int) -> tuple[dict[str, Any], str | None]:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        theta = getattr(config, "rope_theta", None)
+        if theta is None:
+            raise UnsupportedRotaryError(
+                f"model_type {getattr(config, 'model_type', None)!r}: no rope_parameters/rope_theta in the config"
+            )
+        params = {"rope_type": "default", "rope_theta": theta}
+    types = getattr(config, "layer_types", None)
+    if types is not None and isinstance(params, dict) and types[layer_idx] in params \
+            and isinstance(params[types[layer_idx]], dict):
+        return params[types[layer_idx]], types[layer_idx]
+    return params, None
+
+
+def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu") -> RotaryTable:
+    """The rotary table layer ``layer_idx`` of a model with ``config`` rotates its keys with."""
+    params, layer_type = _layer_params(config, layer_idx)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedRotaryError(
+            f"rope_type {rope_type!r} changes with the sequence length, so stored keys cannot be un-rotated "
+            f"(EMS needs raw keys); supported rope types: {STATIC_ROPE_TYPES}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if rope_type == "default":
+        dim = int(head_dim * partial)
+        base = float(params["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+    rotary_dim = 2 * inv_freq.shape[0]
+    if rotary_dim > head_dim or rotary_dim % 2:
+        raise UnsupportedRotaryError(f"rotary dim {rotary_dim} does not fit head_dim {head_dim}")
+    return RotaryTable(inv_freq.to(device=device, dtype=torch.float32), float(scaling), rotary_dim)
+
+
+def _cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * table.scaling, emb.sin() * table.scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+    """Raw keys ``(..., d)`` at ``positions`` ``(...)`` → rotated keys (float32), as the model rotates them."""
+    cos, sin = _cos_sin(table, positions)
+    x = keys.float()
+    r = table.rotary_dim
+    turned = x[..., :r] * cos + _rotate_half(x[..., :r]) * sin
+    return torch.cat((turned, x[..., r:]), dim=-1) if r < x.shape[-1] else turned
+
+
+def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+    """Stored (rotated) keys ``(..., d)`` at ``positions`` → raw pre-RoPE keys (float32); inverse of :func:`rotate`."""
+    cos, sin = _cos_sin(table, positions)
+    x = keys.float()
+    r = table.rotary_dim
+    raw = (x[..., :r] * cos - _rotate_half(x[..., :r]) * sin) / (table.scaling * table.scaling)
+    return torch.cat((raw, x[..., r:]), dim=-1) if r < x.shape[-1] else raw
