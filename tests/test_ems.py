@@ -248,6 +248,10 @@ def test_every_head_at_or_under_budget_at_every_step(arch):
     def check(_: int) -> None:
         lengths = cache.head_lengths()[list(managed)]
         assert int(lengths.max()) <= 10
+        seen = cache.get_seq_length()
+        for i in managed:  # the local window is always held: the newest 4 slots of every head
+            positions = cache.layers[i].store.dense().positions
+            assert bool((positions[..., -4:] == torch.arange(seen - 4, seen)).all())
         merged.append(max(float(cache.layers[i].store.dense().extras[MERGE_COUNT].max()) for i in managed))
 
     decode_loop(model, cache, ids, 8, after_step=check, attention_mask=mask)
