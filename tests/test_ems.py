@@ -17,6 +17,7 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.engine.step import MERGE_COUNT
 from kvsieve.parts import Evict, Merge
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
+from kvsieve.parts.actions.evict_merge_pos import POSITION_TABLE, EvictThenMergePos
 from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, LOCAL_ROWS, GlobalLocal, global_local
 from kvsieve.policies import Policy, make_policy
 from kvsieve.scores.rope import UnsupportedRotaryError, rotary_table, rotate, unrotate
@@ -283,3 +284,74 @@ def test_parameters_validated_at_construction():
     assert policy.schedule.name == "decode" and isinstance(policy.action, EvictThenMerge)
     action, scorer = policy.action, policy.scorer
     assert (action.gamma, action.tau, scorer.window, scorer.kernel_size) == (4.0, 0.6, 32, 7)
+
+
+# ---------------------------------------------------------------------------------------------- ems_pos
+def test_position_table_expansion_equals_the_original_tokens():
+    """EMS w. pos: a centre that absorbed tokens with its raw key and value, expanded at attention time to
+    their positions and re-rotated at each, gives the attention of the original tokens (to 1e-5)."""
+    torch.manual_seed(1)
+    model = build_model("llama")
+    table = rotary_table(model.config, 0)
+    d = table.rotary_dim
+    positions = torch.arange(10)
+    raw, values = torch.randn(10, d), torch.randn(10, d)
+    raw[[7, 8]] = raw[3].clone()
+    values[[7, 8]] = values[3].clone()
+    keys = rotate(raw, positions, table)
+    action = EvictThenMergePos(gamma=2.0, tau=0.99, table_width=2)
+    store = LayerStore(1, 1, d, torch.float32, torch.device("cpu"))
+    for spec in action.side():
+        store.ensure_side(spec)
+    store.append(keys[None, None], values[None, None], 0, None)
+    scores = torch.tensor([[[0.9, 0.8, 0.1, 0.95, 0.05, 0.5, 0.02, 0.4, 0.3, float("inf")]]])
+    step = SimpleNamespace(module=SimpleNamespace(config=model.config), layer_idx=0, view=store.dense())
+    action.apply(store, action.plan(scores, torch.tensor([[5]]), step))
+    view = store.dense()
+    assert view.positions[0, 0].tolist() == [0, 1, 3, 5, 9]
+    assert view.extras[POSITION_TABLE][0, 0, 2].tolist() == [8, 7]  # most recent first
+    assert view.extras[MERGE_COUNT][0, 0].tolist() == [1.0, 1.0, 3.0, 1.0, 1.0]
+    step = SimpleNamespace(module=SimpleNamespace(config=model.config), layer_idx=0, view=view)
+    e_keys, e_values, e_positions, e_valid, e_bias = action.expanded(step)
+    assert e_keys.shape[2] == 5 * 3 and int(e_valid.sum()) == 7
+    query = torch.randn(1, 1, 1, d)
+    mask = output_mask(lambda: torch.tensor([10]), lambda: e_positions, e_valid, None, 1, e_bias, newest_query=True)
+    module = torch.nn.Module()
+    expanded_out = attend(module, query, e_keys, e_values, mask, d**-0.5)
+    kept = [0, 1, 3, 5, 9, 7, 8]
+    original = attend(module, query, keys[kept][None, None], values[kept][None, None], None, d**-0.5)
+    torch.testing.assert_close(expanded_out, original, atol=1e-5, rtol=1e-5)
+
+
+def test_ems_pos_without_merges_matches_ems_and_costs_its_table():
+    model = build_model("llama")
+    ids = prompt(length=40)
+    a, ta, la = _run(model, make_policy("ems_pos", budget=12, window=4, tau=1.0), ids)
+    b, tb, lb = _run(model, make_policy("ems", budget=12, window=4, tau=1.0), ids)
+    assert torch.equal(ta, tb)
+    for x, y in zip(la, lb, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for layer_a, layer_b in zip(a.layers, b.layers, strict=True):
+        assert torch.equal(layer_a.store.dense().positions, layer_b.store.dense().positions)
+    assert a.kv_nbytes() == b.kv_nbytes()
+    width = a.policy.action.width
+    assert width == 3  # ⌈γ⌉ − 1
+    assert a.used_nbytes - b.used_nbytes == 4 * width * int(a.head_lengths().sum())
+
+
+def test_ems_pos_overflowing_tables_keep_counts_and_budgets():
+    """γ = inf, τ = −1, one slot per entry: every token is held or merged; each expanded centre's copies carry
+    ``log(n/m)``, so they weigh ``n`` in all."""
+    model = build_model("qwen2")
+    cache, _, logits = _run(model, make_policy("ems_pos", budget=12, window=4, gamma=float("inf"), tau=-1.0,
+                                               table_width=1), prompt(length=40), steps=5)
+    assert all(bool(torch.isfinite(x).all()) for x in logits)
+    for layer_idx, layer in enumerate(cache.layers):
+        view = layer.store.dense()
+        counts = view.extras[MERGE_COUNT]
+        assert torch.equal(counts.sum(-1), torch.full_like(counts.sum(-1), 45.0))
+        assert int(layer.store.max_length) == 12
+        step = SimpleNamespace(module=model.model.layers[layer_idx].self_attn, layer_idx=layer_idx, view=view)
+        _, _, _, valid, bias = cache.policy.action.expanded(step)
+        weight = (bias.exp() * valid).view(*counts.shape, 2).sum(-1)
+        torch.testing.assert_close(weight, counts)

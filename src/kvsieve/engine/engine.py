@@ -239,6 +239,12 @@ class Engine:
     ) -> torch.Tensor:
         view = step.view
         bias = step.bias()
+        expanded = None if layer.left_alone else self.policy.action.expanded(step)
+        if expanded is not None:  # EMS w. pos: centres expanded to the positions they stand for
+            keys, values, positions, valid, bias = expanded
+            mask = output_mask(lambda: step.query_positions, lambda: positions, valid, sliding_window, step.groups,
+                               bias, step.query.dtype, newest_query=step.is_decoding)
+            return attend(module, step.query, keys, values, mask, step.scaling)
         selector = self.policy.selector
         if selector is not None and step.is_decoding and not layer.left_alone:
             subset = selector.select(step)

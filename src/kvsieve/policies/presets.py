@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge
+from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge, EvictThenMergePos
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, Pyramid, Uniform
 from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
@@ -104,6 +104,8 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("ems", "EMS: Global-Local score (w=32, kernel 7), head-wise evict-then-merge (γ=4, τ=0.6), "
                "prefill and decoding", GlobalLocal, action=EvictThenMerge, schedule="decode"),
+        Preset("ems_pos", "EMS w. pos: ems plus a position look-up table, centres expanded to their positions "
+               "at attention time", GlobalLocal, action=EvictThenMergePos, schedule="decode"),
     )
 }
 

@@ -36,5 +36,12 @@ class Action(Part):
     def apply(self, store: LayerStore, plan: Plan) -> None:
         store.keep(plan.keep, plan.counts)
 
+    def expanded(self, step: LayerStep) -> tuple[torch.Tensor, ...] | None:
+        """A runtime view to attend to instead of the held entries (EMS w. pos); None: the held entries.
+
+        ``(keys, values, positions, valid, bias)``, each ``(batch, kv_heads, n, ...)``.
+        """
+        return None
+
 
 Evict = Action
