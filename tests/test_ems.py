@@ -63,7 +63,7 @@ def test_local_score_window_swap_by_hand():
     scorer, n = GlobalLocal(window=2, kernel_size=1), 4
     store = _store(n)
     prompt_rows = torch.arange(12.0).view(1, 1, 3, n)
-    step = _Step(view=store.dense(), kv_heads=1, is_decoding=False, row=prompt_rows.sum(2), rows=prompt_rows)
+    step = _Step(view=store.dense(), kv_heads=1, q_len=3, row=prompt_rows.sum(2), rows=prompt_rows)
     for name, delta in scorer.observe(step).items():
         store.add_dense(name, delta)
     extras = store.dense().extras
@@ -74,7 +74,7 @@ def test_local_score_window_swap_by_hand():
     expected_past = [prompt_rows[0, 0, 1:].sum(0), first_two, first_two]
     expected_cur = [decoded[0][0, 0], torch.zeros(n), decoded[2][0, 0]]
     for row, past, cur in zip(decoded, expected_past, expected_cur, strict=True):
-        step = _Step(view=store.dense(), kv_heads=1, is_decoding=True, row=row, rows=None)
+        step = _Step(view=store.dense(), kv_heads=1, q_len=1, row=row, rows=None)
         for name, delta in scorer.observe(step).items():
             store.add_dense(name, delta)
         extras = store.dense().extras
@@ -97,6 +97,19 @@ def test_decoding_window_swap_in_a_model():
 
     decode_loop(model, cache, prompt(length=20), 7, after_step=record)
     assert counts == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_short_chunks_accumulate_like_decoding_rows():
+    """A forward of fewer than ``window`` queries (streamed text) joins ``cur``; it swaps once ``cur`` holds ≥ w."""
+    model = build_model("llama")
+    cache = kvsieve.KVCache(model, "ems", budget=64, window=8)
+    model(prompt(length=20), past_key_values=cache)
+    rows = []
+    for seed in range(3):
+        cache.flush()
+        model(prompt(length=3, seed=seed), past_key_values=cache)
+        rows.append(int(cache.layers[0].store.dense().extras[LOCAL_ROWS].amax()))
+    assert rows == [3, 6, 0]
 
 
 # ---------------------------------------------------------------------------------------------- raw keys

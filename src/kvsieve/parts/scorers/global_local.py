@@ -7,7 +7,9 @@ KV Cache Compression Based on Global-Local Importance", ``papers/ems.txt`` Sec. 
 * ``s_loc`` = ``s_loc^past + s_loc^cur`` (Sec. 3.3): at a prompt, ``past`` = the attention of its last
   ``window`` queries and ``cur`` = 0; at decoding each new row is added to ``cur`` and once ``cur``
   holds ``window`` rows it becomes ``past`` and restarts at zero, so ``s_loc`` covers the last
-  ``window … 2·window − 1`` queries (side data ``ems_local_past``, ``ems_local_cur``, and
+  ``window … 2·window − 1`` queries (a forward of fewer than ``window`` queries — a short prompt, or text
+  streamed in chunks — is treated like that many decoding rows: they join ``cur``, swapped once it holds
+  ``window`` or more) (side data ``ems_local_past``, ``ems_local_cur``, and
   ``ems_local_rows`` — how many rows ``cur`` holds, the same value stored on every entry so that it moves
   with the entries and survives copies, batch selection and compaction);
 * Eq. 2: ``s = max(s_glo · mean(s_loc)/mean(s_glo), s_loc)`` element-wise, the means over the head's held
@@ -79,15 +81,16 @@ class GlobalLocal(Scorer):
         heads = step.kv_heads
         glo = reduce_groups(step.all_column_sums(), heads, "mean")
         past, cur, rows = extras[LOCAL_PAST].float(), extras[LOCAL_CUR].float(), extras[LOCAL_ROWS].float()
-        if not step.is_decoding:  # a prompt (or a block of one): past = its last `window` queries, cur restarts
+        if step.q_len >= self.window:  # a prompt (or a block of one): past = its last `window` queries, cur restarts
             local = reduce_groups(step.window_rows(self.window).sum(dim=2), heads, "mean")
             return {GLOBAL: glo, LOCAL_PAST: local - past, LOCAL_CUR: -cur, LOCAL_ROWS: -rows}
-        held = rows.masked_fill(~valid, 0.0).amax(dim=-1, keepdim=True)  # new entries hold 0, the others the count
+        # decoding (and chunks shorter than the window, e.g. streamed text): the rows join `cur`
+        held = rows.masked_fill(~valid, 0.0).amax(dim=-1, keepdim=True) + step.q_len  # new entries hold 0
         new_cur = cur + glo
-        swap = (held + 1.0) >= self.window
+        swap = held >= self.window
         new_past = torch.where(swap, new_cur, past)
         new_cur = torch.where(swap, torch.zeros_like(new_cur), new_cur)
-        new_rows = torch.where(swap, torch.zeros_like(held), held + 1.0).expand_as(rows)
+        new_rows = torch.where(swap, torch.zeros_like(held), held).expand_as(rows)
         return {GLOBAL: glo, LOCAL_PAST: new_past - past, LOCAL_CUR: new_cur - cur, LOCAL_ROWS: new_rows - rows}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
