@@ -93,18 +93,19 @@ class EvictThenMerge(Merge):
         segs = batch * heads
         device = scores.device
         flat = scores.reshape(segs, length)
-        counts = plan.counts.to(device)
-        n_tbm = torch.minimum(self.tbm_counts(counts, length), length - counts)
-        t_max = int(n_tbm.max()) if segs else 0
+        host_counts = plan.counts  # host tensor: the widths below need no device round trip
+        host_tbm = torch.minimum(self.tbm_counts(host_counts, length), length - host_counts)
+        t_max = int(host_tbm.max()) if segs else 0
         if t_max <= 0:
             return
+        counts, n_tbm = host_counts.to(device), host_tbm.to(device)
         view = step.view
         dim = view.keys.shape[-1]
         keys = view.keys.reshape(segs, length, dim)
         values = view.values.reshape(segs, length, dim)
         positions = view.positions.reshape(segs, length)
         # TBM: ranks [B, B + N_tbm) of each head's descending order, real entries only
-        width = min(length, int(counts.max()) + t_max)
+        width = min(length, int(host_counts.max()) + t_max)
         order = torch.topk(flat, width, dim=-1, sorted=True).indices
         rank = counts[:, None] + torch.arange(t_max, device=device)[None, :]
         tbm = order.gather(1, rank.clamp(max=width - 1))
