@@ -15,6 +15,7 @@ from typing import Any
 
 from kvsieve.parts.actions import ACTIONS, Action
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, Pyramid, Uniform
+from kvsieve.parts.allocators.two_stage import TwoStageSplit
 from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
     AccumulatedAttention,
@@ -26,7 +27,8 @@ from kvsieve.parts.scorers import (
     Sinks,
     WindowAttention,
 )
-from kvsieve.parts.selectors import ExactTopK, Selector
+from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
+from kvsieve.parts.selectors import ExactTopK, FilteredHybridSparse, HybridSparse, Quest, Selector, SparQ
 from kvsieve.policies.policy import Policy
 
 #: Parameters every preset accepts (they belong to the policy or its schedule).
@@ -52,6 +54,8 @@ class Preset:
     base_param: bool = False
     #: Parameter name → part kind, where a name would otherwise be ambiguous.
     routes: dict[str, str] = field(default_factory=dict)
+    #: The action used unless ``action=`` names another (``rocketkv_mt`` marks instead of evicting).
+    action: str = "evict"
 
     def parameters(self, base: str | None = None) -> list[str]:
         """Every parameter this preset accepts (with the default scorer for ``adakv``)."""
@@ -97,6 +101,17 @@ PRESETS: dict[str, Preset] = {
             for base, cls in (("h2o", AccumulatedAttention), ("tova", LastQueryAttention), ("snapkv", WindowAttention))
             for fast in (False, True)
         ),
+        Preset("quest", "everything in memory; top pages by the q·k upper bound from page min/max, token budget t "
+               "split evenly (selection)", None, Uniform, Quest),
+        Preset("sparq", "everything in memory; top-r |q| dims approximate scores, exact top t/2, mean-value mix, "
+               "token budget t (selection)", None, Uniform, SparQ),
+        Preset("hsa", "everything in memory; RocketKV's hybrid sparse attention (pages × top-k1 dims), token "
+               "budget t (selection)", None, Uniform, HybridSparse),
+        Preset("rocketkv", "SnapKV++ keeps N/c^r (evicts), then hybrid sparse attention; token budget t",
+               GroupWindowAttention, TwoStageSplit, HybridSparse),
+        Preset("rocketkv_mt", "everything in memory; each turn SnapKV++ marks N/c^r, hybrid sparse attention "
+               "among them; token budget t (selection)", GroupWindowAttention, TwoStageSplit,
+               FilteredHybridSparse, action="mark"),
     )
 }
 
@@ -161,7 +176,7 @@ def make_policy(name: str, **params: Any) -> Policy:
         allocator_cls = type(allocator)
     elif allocator is not None:
         raise PolicyConfigError(f"{name}: allocator must be a name or an Allocator; got {allocator!r}")
-    action = params.pop("action", "evict")
+    action = params.pop("action", p.action)
     if isinstance(action, str) and action not in ACTIONS:
         raise PolicyConfigError(f"{name}: action must be one of {sorted(ACTIONS)}; got {action!r}")
     classes: dict[str, type[Part] | None] = {

@@ -1,8 +1,10 @@
 """Actions: what happens to the entries a plan does not keep (evict; merge)."""
 
 from kvsieve.parts.actions.base import Action, Evict
+from kvsieve.parts.actions.mark import Mark
 from kvsieve.parts.actions.merge import Merge
 
 ACTIONS: dict[str, type[Action]] = {cls.name: cls for cls in (Evict, Merge)}
+ACTIONS[Mark.name] = Mark
 
-__all__ = ["ACTIONS", "Action", "Evict", "Merge"]
+__all__ = ["ACTIONS", "Action", "Evict", "Mark", "Merge"]

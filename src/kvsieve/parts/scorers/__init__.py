@@ -6,6 +6,7 @@ from kvsieve.parts.scorers.h2o import AccumulatedAttention
 from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.parts.scorers.restkv import OutputReconstruction
 from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
 from kvsieve.parts.scorers.streaming_llm import Sinks
 from kvsieve.parts.scorers.tova import LastQueryAttention
 
@@ -14,11 +15,13 @@ SCORERS: dict[str, type[Scorer]] = {
     cls.name: cls
     for cls in (WindowAttention, AccumulatedAttention, LastQueryAttention, Sinks, RandomScores, OutputReconstruction)
 }
+SCORERS[GroupWindowAttention.name] = GroupWindowAttention
 
 __all__ = [
     "SCORERS",
     "AccumulatedAttention",
     "Caote",
+    "GroupWindowAttention",
     "LastQueryAttention",
     "OutputReconstruction",
     "RandomScores",
