@@ -70,11 +70,12 @@ class MemberPages(StoreHook):
         self.index = torch.zeros(b * h, self.cap, dtype=torch.long, device=device)
         self.index[:, :most] = index.reshape(b * h, most)
         self.count, self.max_count = counts, most
-        self.kmax = torch.full((b * h * self.slots, d), -math.inf, device=device)
-        self.kmin = torch.full((b * h * self.slots, d), math.inf, device=device)
+        dtype = view.keys.dtype  # min/max of stored keys are stored keys: exact in their own dtype
+        self.kmax = torch.full((b * h * self.slots, d), -math.inf, dtype=dtype, device=device)
+        self.kmin = torch.full((b * h * self.slots, d), math.inf, dtype=dtype, device=device)
         if most == 0:
             return
-        keys = view.keys.float().gather(2, index[..., None].expand(-1, -1, -1, d))  # (b, h, M, d)
+        keys = view.keys.gather(2, index[..., None].expand(-1, -1, -1, d))  # (b, h, M, d)
         valid = torch.arange(most, device=device)[None, :] < counts[:, None]
         pages = math.ceil(most / self.page_size)
         padded = pages * self.page_size
@@ -105,7 +106,7 @@ class MemberPages(StoreHook):
         self.index.view(-1).index_put_((segments * self.cap + slot,), local)
         self.count = self.count.index_add(0, segments, torch.ones_like(segments))
         self.max_count += 1
-        keys = store.keys.index_select(0, flat_rows).float()
+        keys = store.keys.index_select(0, flat_rows)
         index = (segments * self.slots + slot // self.page_size)[:, None].expand(-1, keys.shape[-1])
         self.kmax.scatter_reduce_(0, index, keys, "amax", include_self=True)
         self.kmin.scatter_reduce_(0, index, keys, "amin", include_self=True)
@@ -115,8 +116,8 @@ class MemberPages(StoreHook):
         slots = math.ceil(cap / self.page_size)
         index = torch.zeros(segs, cap, dtype=torch.long, device=self.index.device)
         index[:, : self.cap] = self.index
-        kmax = torch.full((segs * slots, d), -math.inf, device=self.kmax.device)
-        kmin = torch.full((segs * slots, d), math.inf, device=self.kmin.device)
+        kmax = torch.full((segs * slots, d), -math.inf, dtype=self.kmax.dtype, device=self.kmax.device)
+        kmin = torch.full((segs * slots, d), math.inf, dtype=self.kmin.dtype, device=self.kmin.device)
         kmax.view(segs, slots, d)[:, : self.slots] = self.kmax.view(segs, self.slots, d)
         kmin.view(segs, slots, d)[:, : self.slots] = self.kmin.view(segs, self.slots, d)
         self.index, self.kmax, self.kmin, self.cap, self.slots = index, kmax, kmin, cap, slots

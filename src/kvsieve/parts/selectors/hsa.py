@@ -48,9 +48,6 @@ from kvsieve.parts.selectors.sparse import (
     top_tokens_of_pages,
 )
 
-#: Bytes of one page statistic element (page min/max are float32).
-PAGE_ELEMENT_BYTES = 4
-
 
 def hsa_shape(held: int, budget: int, dim: int) -> tuple[int, int]:
     """``(page_size, k1)`` for ``held`` entries, token budget ``budget`` and head dimension ``dim`` (Sec. 3.6)."""
@@ -109,7 +106,7 @@ class HybridSparse(Selector):
         held_pages = page_valid(kmax)
         slots = kmax.shape[2]
         at = dims[:, :, None, :].expand(-1, -1, slots, -1)
-        chosen_stat = torch.where((q1 >= 0)[:, :, None, :], kmax.gather(-1, at), kmin.gather(-1, at))
+        chosen_stat = torch.where((q1 >= 0)[:, :, None, :], kmax.gather(-1, at), kmin.gather(-1, at)).float()
         chosen_stat = chosen_stat.masked_fill(~held_pages[..., None], 0.0)
         scores = torch.matmul(chosen_stat, q1[..., None])[..., 0].masked_fill(~held_pages, -math.inf)
         top = split_budget(self.k)
@@ -121,7 +118,7 @@ class HybridSparse(Selector):
         else:
             chosen = top_tokens_of_pages(scores, pages.page_size, view.length, top, view.valid)
         batch, kv_heads = chosen.shape[:2]
-        page_reads = held_pages.sum() * k1 * PAGE_ELEMENT_BYTES
+        page_reads = held_pages.sum() * k1 * kmax.element_size()
         state.record(store, page_reads + batch * kv_heads * chosen.shape[-1] * kv_entry_bytes(store))
         return per_query_head(chosen, step.groups)
 

@@ -45,9 +45,6 @@ from kvsieve.parts.selectors.sparse import (
     top_tokens_of_pages,
 )
 
-#: Bytes of one page statistic element (``PageMinMax`` keeps float32).
-PAGE_ELEMENT_BYTES = 4
-
 
 @dataclass(frozen=True)
 class Quest(Selector):
@@ -95,7 +92,7 @@ class Quest(Selector):
         chosen = top_tokens_of_pages(bound, size, length, split_budget(self.k), view.valid, forced)
         # traffic: per group, page and dimension, Kmax if any head has q_i > 0, Kmin if any has q_i < 0
         per_page = (query > 0).any(dim=2).sum(dim=-1) + (query < 0).any(dim=2).sum(dim=-1)  # (b, kv)
-        page_reads = (per_page * held_pages.sum(dim=-1)).sum() * PAGE_ELEMENT_BYTES
+        page_reads = (per_page * held_pages.sum(dim=-1)).sum() * kmax.element_size()
         state.record(store, page_reads + chosen.shape[0] * chosen.shape[1] * chosen.shape[2] * kv_entry_bytes(store))
         return per_query_head(chosen, step.groups)
 
@@ -110,7 +107,7 @@ def page_upper_bounds(
     unused page slots (``±inf``) read as 0 and must be masked by the caller.
     """
     keep = held_pages[..., None]
-    upper = kmax.masked_fill(~keep, 0.0)
-    lower = kmin.masked_fill(~keep, 0.0)
+    upper = kmax.masked_fill(~keep, 0.0).to(query.dtype)
+    lower = kmin.masked_fill(~keep, 0.0).to(query.dtype)
     positive = query.clamp(min=0.0)
     return torch.matmul(positive, upper.transpose(-1, -2)) + torch.matmul(query - positive, lower.transpose(-1, -2))
