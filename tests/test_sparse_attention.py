@@ -397,3 +397,17 @@ def test_rocketkv_storage_matches_table1():
 def test_bad_parameters_raise_before_any_work(name, params, needle):
     with pytest.raises(PolicyConfigError, match=needle):
         kvsieve.make_policy(name, **params)
+
+
+def test_page_statistics_keep_the_key_dtype_exactly():
+    store = LayerStore(1, 2, 8, torch.bfloat16, torch.device("cpu"))
+    hook = PageMinMax(4)
+    store.add_hook(hook)
+    store.append(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), 0, None)
+    store.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 10, None)
+    kmax, kmin = hook.view(store)
+    assert kmax.dtype == torch.bfloat16
+    keys = store.dense().keys
+    for p in range(3):
+        chunk = keys[:, :, p * 4 : (p + 1) * 4]
+        assert torch.equal(kmax[:, :, p], chunk.amax(2)) and torch.equal(kmin[:, :, p], chunk.amin(2))
