@@ -324,6 +324,7 @@ def test_rocketkv_mt_holds_everything_and_refilters_each_turn():
     seq, _ = _generate(model, ids, cache, steps=4)
     _full_seq, _ = _generate(model, ids, full, steps=4)
     assert torch.equal(cache.head_lengths(), full.head_lengths())  # every entry held
+    assert not cache.policy.evicts and kvsieve.make_policy("rocketkv", budget=t).evicts
     store = cache.layers[0].store
     marks = store.dense().extras[STAGE1_KEEP.name]
     # turn 1: stage 1 marked N / c^r of the 150 prompt entries; the 3 decoded since are members too

@@ -27,6 +27,7 @@ class Mark(Action):
 
     name: ClassVar[str] = "mark"
     SIDE: ClassVar[tuple[SideSpec, ...]] = (STAGE1_KEEP,)
+    deletes: ClassVar[bool] = False
 
     def apply(self, store: LayerStore, plan: Plan) -> None:
         index, valid, length = store.gather_index()
