@@ -40,6 +40,8 @@ def _cmd_list(_: argparse.Namespace) -> int:
         if entry.selector is not None:
             parts.append(f"selector={entry.selector.name}")
         kind = "evicts" if entry.scorer is not None or entry.base_param else "keeps all entries"
+        if entry.action == "mark":  # rocketkv_mt: the scorer marks, nothing is deleted
+            kind = "keeps all entries"
         schedules = ", ".join(example.schedules()) if example is not None else "prefill, decode, blockwise"
         print(f"  {name:<16} {entry.summary}")
         print(f"  {'':<16} [{kind}; {'; '.join(parts)}; schedules: {schedules}]")

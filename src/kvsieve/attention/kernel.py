@@ -93,12 +93,15 @@ def attend(
     subset: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
+    blend: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention output ``(batch, q, q_heads, d)`` of ``query`` over ``keys``/``values`` ``(batch, kv_heads, n, d)``.
 
     Without ``subset``: SDPA with ``mask`` (from :func:`output_mask`). With ``subset`` ``(batch, q_heads, k)``
     (single decoding query): each query head attends to its ``k`` entries only, gathered without
     repeating the unselected ones; ``bias`` and ``key_valid`` (``(batch, kv_heads, n)``) apply to them.
+    ``blend`` ``(weight (batch, q_heads), fallback (batch, q_heads, d))`` (subset only) returns
+    ``weight · output + (1 − weight) · fallback`` (SparQ's mean-value mix).
     """
     if subset is None:
         if keys.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) != 1:
@@ -128,7 +131,11 @@ def attend(
     output = torch.nn.functional.scaled_dot_product_attention(
         query, sub_keys, sub_values, attn_mask=sub_mask, scale=scaling
     )
-    return output.transpose(1, 2).contiguous()
+    output = output.transpose(1, 2).contiguous()
+    if blend is not None:
+        weight = blend[0].to(output.dtype)[:, None, :, None]
+        output = weight * output + (1.0 - weight) * blend[1].to(output.dtype)[:, None]
+    return output
 
 
 def _grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

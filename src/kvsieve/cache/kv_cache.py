@@ -24,6 +24,7 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.engine.engine import Engine
 from kvsieve.engine.layer_inputs import install_layer_input_hooks
 from kvsieve.models.architectures import ModelInfo, model_info
+from kvsieve.parts.selectors.sparse import SelectionState
 from kvsieve.policies.policy import Policy
 from kvsieve.policies.presets import make_policy
 
@@ -337,6 +338,36 @@ class KVCache(Cache):
         """Bytes of keys and values actually held (what a full cache of the same length would hold)."""
         self.engine.flush()
         return sum(layer.store.kv_nbytes() for layer in self.layers if layer.store is not None)
+
+    def storage(self) -> dict[str, int]:
+        """Bytes held, measured: ``kv`` (held keys and values), ``positions``, ``side`` (per-entry side data),
+        ``aux`` (store hooks: page min/max, value sums, member indices), ``allocated`` (all of it, slack included)."""
+        self.engine.flush()
+        stores = [layer.store for layer in self.layers if layer.store is not None]
+        positions = sum(s.total_entries() * s.positions.element_size() for s in stores)
+        side = sum(s.used_nbytes() for s in stores) - sum(s.kv_nbytes() for s in stores) - positions
+        return {
+            "kv": sum(s.kv_nbytes() for s in stores),
+            "positions": positions,
+            "side": side,
+            "aux": sum(hook.nbytes() for s in stores for hook in s.hooks),
+            "allocated": sum(s.nbytes() for s in stores),
+        }
+
+    def traffic(self) -> dict[str, float]:
+        """KV bytes read at decoding, measured by the selector on every managed layer (``SelectionState``):
+        ``read_bytes`` (keys, values, page min/max, mean values actually read), ``full_bytes`` (every held
+        key and value at the same steps: what full attention reads), their ratio, and ``steps`` (decoding
+        steps × layers measured). Layers without a selector are not counted (they read everything)."""
+        read, full, steps = 0.0, 0, 0
+        for layer in self.layers:
+            for hook in layer.store.hooks if layer.store is not None else ():
+                if isinstance(hook, SelectionState):
+                    read += float(hook.read_bytes)
+                    full += hook.full_bytes
+                    steps += hook.steps
+        return {"read_bytes": read, "full_bytes": float(full), "ratio": read / full if full else 1.0,
+                "steps": float(steps)}
 
     def _store(self, layer_idx: int) -> LayerStore:
         self.engine.flush()

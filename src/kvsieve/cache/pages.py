@@ -5,7 +5,9 @@ Each segment's held entries are split, in position order, into pages of ``page_s
 entries; for every page the element-wise maximum and minimum of its keys are kept. Appends update only
 the pages they touch (``scatter_reduce_`` with ``amax``/``amin``); a compaction or any other layout change
 recomputes every page from the held keys, so the statistics always describe exactly what is held.
-Unused page slots hold ``-inf`` (max) / ``+inf`` (min).
+Unused page slots hold ``-inf`` (max) / ``+inf`` (min). The statistics keep the keys' dtype: a max or
+min of stored values is one of them, so nothing is rounded, and a page costs what ``2·d`` key elements
+cost (RocketKV Table 1's accounting).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class PageMinMax(StoreHook):
     # ------------------------------------------------------------------ hooks
     def after_layout(self, store: LayerStore) -> None:
         view = store.dense()
-        keys = view.keys.float()
+        keys = view.keys
         b, h, length, d = keys.shape
         pages = max(math.ceil(length / self.page_size), 0)
         padded = pages * self.page_size
@@ -60,8 +62,8 @@ class PageMinMax(StoreHook):
         kmax = keys.masked_fill(~valid, -math.inf).amax(dim=3) if pages else keys.new_empty(b, h, 0, d)
         kmin = keys.masked_fill(~valid, math.inf).amin(dim=3) if pages else keys.new_empty(b, h, 0, d)
         self.slots = pages + PAGE_GROWTH
-        self.kmax = torch.full((b * h * self.slots, d), -math.inf, device=keys.device)
-        self.kmin = torch.full((b * h * self.slots, d), math.inf, device=keys.device)
+        self.kmax = torch.full((b * h * self.slots, d), -math.inf, dtype=keys.dtype, device=keys.device)
+        self.kmin = torch.full((b * h * self.slots, d), math.inf, dtype=keys.dtype, device=keys.device)
         self.kmax.view(b, h, self.slots, d)[:, :, :pages] = kmax
         self.kmin.view(b, h, self.slots, d)[:, :, :pages] = kmin
 
@@ -84,15 +86,15 @@ class PageMinMax(StoreHook):
         if needed > self.slots:
             self._grow(store, needed + PAGE_GROWTH)
         flat_page = segments * self.slots + page
-        keys = store.keys.index_select(0, flat_rows).float()
+        keys = store.keys.index_select(0, flat_rows)
         index = flat_page[:, None].expand(-1, keys.shape[-1])
         self.kmax.scatter_reduce_(0, index, keys, "amax", include_self=True)
         self.kmin.scatter_reduce_(0, index, keys, "amin", include_self=True)
 
     def _grow(self, store: LayerStore, slots: int) -> None:
         b, h, d = store.batch, store.heads, store.head_dim
-        kmax = torch.full((b * h * slots, d), -math.inf, device=store.keys.device)
-        kmin = torch.full((b * h * slots, d), math.inf, device=store.keys.device)
+        kmax = torch.full((b * h * slots, d), -math.inf, dtype=store.keys.dtype, device=store.keys.device)
+        kmin = torch.full((b * h * slots, d), math.inf, dtype=store.keys.dtype, device=store.keys.device)
         kmax.view(b, h, slots, d)[:, :, : self.slots] = self.kmax.view(b, h, self.slots, d)
         kmin.view(b, h, slots, d)[:, :, : self.slots] = self.kmin.view(b, h, self.slots, d)
         self.kmax, self.kmin, self.slots = kmax, kmin, slots

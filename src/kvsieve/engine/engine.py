@@ -35,6 +35,7 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.engine.plan import Plan
 from kvsieve.engine.step import LAYER_INPUTS, LayerStep
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.parts.selectors.base import Selection
 from kvsieve.policies.policy import Policy
 
 
@@ -249,8 +250,11 @@ class Engine:
         if selector is not None and step.is_decoding and not layer.left_alone:
             subset = selector.select(step)
             if subset is not None:
+                blend = None
+                if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
+                    subset, blend = subset.indices, (subset.weight, subset.fallback)
                 return attend(module, step.query, view.keys, view.values, None, step.scaling,
-                              subset=subset, bias=bias, key_valid=view.valid)
+                              subset=subset, bias=bias, key_valid=view.valid, blend=blend)
         if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
             return attend(module, step.query, view.keys, view.values, None, step.scaling)
         mask = output_mask(

@@ -60,8 +60,8 @@ class Policy:
     # ------------------------------------------------------------------ properties
     @property
     def evicts(self) -> bool:
-        """Whether the policy ever deletes (or merges) entries."""
-        return self.scorer is not None
+        """Whether the policy ever deletes (or merges) entries (``rocketkv_mt``'s ``mark`` action deletes nothing)."""
+        return self.scorer is not None and self.action.deletes
 
     @property
     def needs_budget(self) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge, EvictThenMergePos
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, Pyramid, Uniform
+from kvsieve.parts.allocators.two_stage import TwoStageSplit
 from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
     AccumulatedAttention,
@@ -27,7 +28,8 @@ from kvsieve.parts.scorers import (
     Sinks,
     WindowAttention,
 )
-from kvsieve.parts.selectors import ExactTopK, Selector
+from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
+from kvsieve.parts.selectors import ExactTopK, FilteredHybridSparse, HybridSparse, Quest, Selector, SparQ
 from kvsieve.policies.policy import Policy
 
 #: Parameters every preset accepts (they belong to the policy or its schedule).
@@ -53,8 +55,9 @@ class Preset:
     base_param: bool = False
     #: Parameter name → part kind, where a name would otherwise be ambiguous.
     routes: dict[str, str] = field(default_factory=dict)
-    #: The preset's own action (EMS: evict-then-merge); None: ``evict``.
-    action: type[Action] | None = None
+    #: The action used unless ``action=`` names another (EMS: evict-then-merge; ``rocketkv_mt`` marks
+    #: instead of evicting).
+    action: str = "evict"
     #: The schedule used when none is given (EMS compresses at prefill and while decoding).
     schedule: str = "prefill"
 
@@ -62,7 +65,7 @@ class Preset:
         """Every parameter this preset accepts (with the default scorer for ``adakv``)."""
         names = list(POLICY_PARAMS)
         scorer = _scorer_class(self, base or "snapkv")
-        for cls in (scorer, self.allocator, self.selector, self.action):
+        for cls in (scorer, self.allocator, self.selector, ACTIONS[self.action]):
             if cls is not None:
                 names += [f.name for f in fields(cls) if f.name not in names and f.name != "base"]
                 names += [a for a in cls.aliases if a not in names]
@@ -103,9 +106,20 @@ PRESETS: dict[str, Preset] = {
             for fast in (False, True)
         ),
         Preset("ems", "EMS: Global-Local score (w=32, kernel 7), head-wise evict-then-merge (γ=4, τ=0.6), "
-               "prefill and decoding", GlobalLocal, action=EvictThenMerge, schedule="decode"),
+               "prefill and decoding", GlobalLocal, action=EvictThenMerge.name, schedule="decode"),
         Preset("ems_pos", "EMS w. pos: ems plus a position look-up table, centres expanded to their positions "
-               "at attention time", GlobalLocal, action=EvictThenMergePos, schedule="decode"),
+               "at attention time", GlobalLocal, action=EvictThenMergePos.name, schedule="decode"),
+        Preset("quest", "everything in memory; top pages by the q·k upper bound from page min/max, token budget t "
+               "split evenly (selection)", None, Uniform, Quest),
+        Preset("sparq", "everything in memory; top-r |q| dims approximate scores, exact top t/2, mean-value mix, "
+               "token budget t (selection)", None, Uniform, SparQ),
+        Preset("hsa", "everything in memory; RocketKV's hybrid sparse attention (pages × top-k1 dims), token "
+               "budget t (selection)", None, Uniform, HybridSparse),
+        Preset("rocketkv", "SnapKV++ keeps N/c^r (evicts), then hybrid sparse attention; token budget t",
+               GroupWindowAttention, TwoStageSplit, HybridSparse),
+        Preset("rocketkv_mt", "everything in memory; each turn SnapKV++ marks N/c^r, hybrid sparse attention "
+               "among them; token budget t (selection)", GroupWindowAttention, TwoStageSplit,
+               FilteredHybridSparse, action="mark"),
     )
 }
 
@@ -170,7 +184,7 @@ def make_policy(name: str, **params: Any) -> Policy:
         allocator_cls = type(allocator)
     elif allocator is not None:
         raise PolicyConfigError(f"{name}: allocator must be a name or an Allocator; got {allocator!r}")
-    action = params.pop("action", p.action.name if p.action is not None else "evict")
+    action = params.pop("action", p.action)
     if isinstance(action, str) and action not in ACTIONS:
         raise PolicyConfigError(f"{name}: action must be one of {sorted(ACTIONS)}; got {action!r}")
     classes: dict[str, type[Part] | None] = {

@@ -26,6 +26,8 @@ class Action(Part):
     name: ClassVar[str] = "evict"
     #: Per-entry side data the action keeps (merge counts...).
     SIDE: ClassVar[tuple[SideSpec, ...]] = ()
+    #: Whether applying a plan removes entries (``mark`` only labels them).
+    deletes: ClassVar[bool] = True
 
     def side(self) -> tuple[SideSpec, ...]:
         return self.SIDE

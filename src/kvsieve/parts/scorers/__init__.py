@@ -7,6 +7,7 @@ from kvsieve.parts.scorers.h2o import AccumulatedAttention
 from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.parts.scorers.restkv import OutputReconstruction
 from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
 from kvsieve.parts.scorers.streaming_llm import Sinks
 from kvsieve.parts.scorers.tova import LastQueryAttention
 
@@ -16,12 +17,14 @@ SCORERS: dict[str, type[Scorer]] = {
     for cls in (WindowAttention, AccumulatedAttention, LastQueryAttention, Sinks, RandomScores, OutputReconstruction,
                 GlobalLocal)
 }
+SCORERS[GroupWindowAttention.name] = GroupWindowAttention
 
 __all__ = [
     "SCORERS",
     "AccumulatedAttention",
     "Caote",
     "GlobalLocal",
+    "GroupWindowAttention",
     "LastQueryAttention",
     "OutputReconstruction",
     "RandomScores",

@@ -28,6 +28,20 @@ class Selector(Part):
         """Per-store data the selector keeps up to date (e.g. per-page key min/max); fresh objects per store."""
         return []
 
-    def select(self, step: LayerStep) -> torch.Tensor | None:
-        """Indices ``(batch, q_heads, k)`` into the dense view's entries; None: attend to every entry."""
+    def select(self, step: LayerStep) -> torch.Tensor | Selection | None:
+        """Indices ``(batch, q_heads, k)`` into the dense view's entries (or a :class:`Selection` that also
+        mixes the output with a fallback); None: attend to every entry."""
         raise NotImplementedError(f"{type(self).__name__} must implement select()")
+
+
+@dataclass
+class Selection:
+    """A subset plus an output mix: ``weight · attn(subset) + (1 − weight) · fallback`` (SparQ's mean value).
+
+    ``indices`` ``(batch, q_heads, k)`` as :meth:`Selector.select` returns them; ``weight``
+    ``(batch, q_heads)`` and ``fallback`` ``(batch, q_heads, d)``.
+    """
+
+    indices: torch.Tensor
+    weight: torch.Tensor
+    fallback: torch.Tensor

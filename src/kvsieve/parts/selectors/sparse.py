@@ -1,0 +1,126 @@
+"""What the decoding-time sparse selectors share (Quest, SparQ, HSA): budgets, per-store state, page→token top-k.
+
+**Token budget** (RocketKV, ``papers/rocketkv.txt`` Sec. 3.6): ``t`` counts *all* KV traffic of one
+decoding step of one KV group, in key+value pairs (``2·d`` elements), the approximation step included;
+it is split evenly: ``t/2`` for approximating the scores and ``t/2`` tokens for exact attention.
+Compression ratio ``c = N / t`` for ``N`` held entries. When ``t ≥ N`` a selector attends to everything
+(exactly full attention; reading every entry costs ``N ≤ t``).
+
+**Measured traffic**: every selector's select adds the bytes it reads (keys, values, page min/max,
+mean value) to its store's :class:`SelectionState`, next to what full attention would have read;
+``KVCache.traffic()`` totals them. No host sync on the hot path: data-dependent counts stay tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvsieve.cache.store import LayerStore, StoreHook
+
+
+class SelectionState(StoreHook):
+    """Per-store state of a selector: its configuration for the current prompt and the traffic it measured.
+
+    ``dirty`` is set by a prompt (an append of more than one entry per segment) or a layout change
+    (compaction, batch reorder); the selector then derives its configuration (page size, dimensions)
+    from what the store holds at the first decoding step — the paper fixes them per input length.
+    """
+
+    def __init__(self) -> None:
+        self.dirty = True
+        self.config: dict[str, int] = {}
+        #: Bytes read by the selector's decoding steps (int or a 0-dim tensor: no host sync).
+        self.read_bytes: int | torch.Tensor = 0
+        #: Bytes full attention would have read at the same steps (every held key and value).
+        self.full_bytes = 0
+        self.steps = 0
+
+    def after_append(self, store: LayerStore, rows: torch.Tensor | None, count: int) -> None:
+        if count > 1:
+            self.dirty = True
+
+    def after_layout(self, store: LayerStore) -> None:
+        self.dirty = True
+
+    def record(self, store: LayerStore, read: int | torch.Tensor) -> None:
+        """One decoding step read ``read`` bytes; full attention would have read every held key and value."""
+        self.read_bytes = self.read_bytes + read
+        self.full_bytes += store.total_entries() * kv_entry_bytes(store)
+        self.steps += 1
+
+
+def state_of(store: LayerStore) -> SelectionState:
+    for hook in store.hooks:
+        if isinstance(hook, SelectionState):
+            return hook
+    raise RuntimeError("the store has no SelectionState hook (the selector's hooks() were not installed)")
+
+
+def hook_of(store: LayerStore, kind: type[StoreHook]) -> StoreHook:
+    for hook in store.hooks:
+        if type(hook) is kind:
+            return hook
+    raise RuntimeError(f"the store has no {kind.__name__} hook (the selector's hooks() were not installed)")
+
+
+def kv_entry_bytes(store: LayerStore) -> int:
+    """Bytes of one key + value."""
+    return (store.keys.element_size() + store.values.element_size()) * store.head_dim
+
+
+def split_budget(budget: int) -> int:
+    """Tokens given exact attention: half the token budget (the other half pays for the approximation)."""
+    return max(budget // 2, 1)
+
+
+def rocket_split(ratio: float) -> float:
+    """RocketKV's split factor ``r = min(0.2 + 0.06·log2 c, 0.8)`` (Sec. 3.6) for a compression ratio ``c ≥ 1``."""
+    return min(0.2 + 0.06 * math.log2(max(ratio, 1.0)), 0.8)
+
+
+def grouped_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The decoding query ``(batch, q_heads, 1, d)`` as float32 ``(batch, kv_heads, groups, d)``."""
+    batch, q_heads, _, dim = query.shape
+    return query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float()
+
+
+def per_query_head(indices: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(batch, kv_heads, k)`` group selections as ``(batch, q_heads, k)`` (every head of a group the same)."""
+    return indices.repeat_interleave(groups, dim=1)
+
+
+def top_tokens_of_pages(
+    page_scores: torch.Tensor,
+    page_size: int,
+    length: int,
+    k: int,
+    token_valid: torch.Tensor | None,
+    forced: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``k`` tokens of the best pages: ``(batch, kv_heads, k)`` token indices.
+
+    Every token gets its page's score (``page_scores`` ``(batch, kv_heads, slots)``; token ``j`` is in page
+    ``j // page_size``), padding tokens ``-inf``, ``forced`` tokens ``+inf``; the top ``k`` are taken, so
+    whole pages are taken best first and the last one may be taken in part.
+    """
+    page_of = torch.arange(length, device=page_scores.device) // page_size
+    scores = page_scores.index_select(-1, page_of)
+    if forced is not None:
+        scores = scores.masked_fill(forced, math.inf)
+    if token_valid is not None:
+        scores = scores.masked_fill(~token_valid, -math.inf)
+    return torch.topk(scores, min(k, length), dim=-1).indices
+
+
+def last_page_tokens(lengths: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """``(batch, kv_heads, length)`` True for the tokens of each segment's last (maybe partial) page."""
+    offsets = torch.arange(length, device=lengths.device)
+    first_of_last = ((lengths - 1).clamp(min=0) // page_size) * page_size
+    return (offsets[None, None, :] >= first_of_last[..., None]) & (offsets[None, None, :] < lengths[..., None])
+
+
+def page_valid(kmax: torch.Tensor) -> torch.Tensor:
+    """``(…, slots)`` True for page slots holding at least one entry (unused slots have ``-inf`` max)."""
+    return kmax[..., 0] > -math.inf
