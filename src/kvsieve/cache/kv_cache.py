@@ -217,6 +217,7 @@ class KVCache(Cache):
         if isinstance(policy, Policy) and params:
             raise ValueError("pass parameters inside the Policy object, not as keyword arguments")
         info = model_info(model)
+        resolved = resolved.bind(model)  # learned scorers load their weights for this model (before touching it)
         self.policy: Policy = resolved
         self.info: ModelInfo = info
         self.model_config = model.config

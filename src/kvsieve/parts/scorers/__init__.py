@@ -5,6 +5,7 @@ from kvsieve.parts.scorers.caote import Caote
 from kvsieve.parts.scorers.h2o import AccumulatedAttention
 from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.parts.scorers.restkv import OutputReconstruction
+from kvsieve.parts.scorers.retention import RetentionGate
 from kvsieve.parts.scorers.snapkv import WindowAttention
 from kvsieve.parts.scorers.streaming_llm import Sinks
 from kvsieve.parts.scorers.tova import LastQueryAttention
@@ -14,6 +15,7 @@ SCORERS: dict[str, type[Scorer]] = {
     cls.name: cls
     for cls in (WindowAttention, AccumulatedAttention, LastQueryAttention, Sinks, RandomScores, OutputReconstruction)
 }
+SCORERS[RetentionGate.name] = RetentionGate
 
 __all__ = [
     "SCORERS",
@@ -22,6 +24,7 @@ __all__ = [
     "LastQueryAttention",
     "OutputReconstruction",
     "RandomScores",
+    "RetentionGate",
     "Scorer",
     "Sinks",
     "WindowAttention",
