@@ -257,3 +257,18 @@ def test_train_is_deterministic_and_resumes(tmp_path):
     assert loaded.config.training["steps"] == 2 and not loaded.config.tied
     for name, p in model.named_parameters():  # the model is frozen during training and left as it was
         assert torch.equal(p, before[name][0]) and p.requires_grad == before[name][1], name
+
+
+def test_shared_prefill_feeds_layer_inputs_to_followers_of_a_full_lead():
+    model = build_model("llama")
+    gates = _gates(model)
+    ids = prompt(2, 30, seed=4)
+    lead = kvsieve.KVCache(model, "full")
+    followers = [kvsieve.KVCache(model, p, budget=6, window=1, gates=gates) for p in ("dbtrimkv", "trimkv")]
+    kvsieve.prefill_shared(model, ids, [lead, *followers])
+    for policy, shared in zip(("dbtrimkv", "trimkv"), followers, strict=True):
+        alone = kvsieve.KVCache(model, policy, budget=6, window=1, gates=gates)
+        model(ids, past_key_values=alone)
+        assert torch.equal(shared.head_lengths(), alone.head_lengths())
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(shared.kept_positions(layer, 1, 1), alone.kept_positions(layer, 1, 1))
