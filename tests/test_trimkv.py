@@ -272,3 +272,17 @@ def test_shared_prefill_feeds_layer_inputs_to_followers_of_a_full_lead():
         assert torch.equal(shared.head_lengths(), alone.head_lengths())
         for layer in range(model.config.num_hidden_layers):
             assert torch.equal(shared.kept_positions(layer, 1, 1), alone.kept_positions(layer, 1, 1))
+
+
+def test_shipped_gates_describe_the_default_model():
+    from kvsieve.gates.pretrained import PRETRAINED_DIR
+    from kvsieve.gates.retention import read_config
+
+    shipped = sorted(PRETRAINED_DIR.glob("smollm2-135m-instruct-*.json"))
+    assert shipped, "the default model's gates must ship with the package"
+    for meta in shipped:
+        config = read_config(meta)
+        assert (config.model_type, config.num_layers, config.num_kv_heads, config.hidden_size) == ("llama", 30, 3, 576)
+        assert config.tied == meta.stem.endswith("-dbtrimkv")
+        assert config.training["steps"] > 0 and "heldout" in config.training
+        assert meta.with_suffix(".safetensors").is_file()
