@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--no-progress", action="store_true")
     niah.set_defaults(func=_cmd_niah)
     _add_suite_commands(sub)
+    from kvsieve.train import cli as train_cli
+
+    train_cli.register(sub)
     return parser
 
 

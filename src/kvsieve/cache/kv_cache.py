@@ -221,6 +221,7 @@ class KVCache(Cache):
         check_model = getattr(resolved.action, "check_model", None)
         if check_model is not None:  # parts that read the model itself (EMS un-rotates keys with its rope)
             check_model(model.config, info)
+        resolved = resolved.bind(model)  # learned scorers load their weights for this model (before touching it)
         self.policy: Policy = resolved
         self.info: ModelInfo = info
         self.model_config = model.config
@@ -275,8 +276,12 @@ class KVCache(Cache):
 
     def receive_layer_inputs(self, layer_idx: int | None, hidden_states: torch.Tensor) -> None:
         """Entry point of the layer-input hook (see :mod:`kvsieve.engine.layer_inputs`)."""
-        if layer_idx is not None and self.engine.wants_layer_inputs() and 0 <= layer_idx < len(self.layers):
-            self.layers[layer_idx].receive_layer_inputs(hidden_states)
+        if layer_idx is None or not 0 <= layer_idx < len(self.layers):
+            return
+        layer = self.layers[layer_idx]
+        # a shared prefill's lead may not want them while a follower does (prefill_shared)
+        if self.engine.wants_layer_inputs() or any(f.cache.engine.wants_layer_inputs() for f in layer.followers):
+            layer.receive_layer_inputs(hidden_states)
 
     def reset(self) -> None:
         super().reset()

@@ -14,7 +14,7 @@ Everything is validated on construction, before any model or cache is touched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvsieve.cache.store import SideSpec, StoreHook
@@ -126,6 +126,13 @@ class Policy:
         for part in (self.scorer, self.allocator, self.action, self.selector, self.schedule):
             if part is not None:
                 part.check(self)
+
+    def bind(self, model: Any) -> Policy:
+        """This policy with its scorer bound to ``model`` (learned scorers load weights; most return themselves)."""
+        if self.scorer is None:
+            return self
+        bound = self.scorer.bind(model)
+        return self if bound is self.scorer else replace(self, scorer=bound)
 
     # ------------------------------------------------------------------ description
     def flat_params(self) -> dict[str, Any]:

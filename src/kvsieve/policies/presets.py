@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge, EvictThenMergePos
-from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, Pyramid, Uniform
+from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, GlobalBudget, Pyramid, Uniform
 from kvsieve.parts.allocators.two_stage import TwoStageSplit
 from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
@@ -24,6 +24,7 @@ from kvsieve.parts.scorers import (
     LastQueryAttention,
     OutputReconstruction,
     RandomScores,
+    RetentionGate,
     Scorer,
     Sinks,
     WindowAttention,
@@ -60,6 +61,8 @@ class Preset:
     action: str = "evict"
     #: The schedule used when none is given (EMS compresses at prefill and while decoding).
     schedule: str = "prefill"
+    #: Parameter defaults of this preset (``trimkv``: ``schedule="decode"``), overridden by the caller's.
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     def parameters(self, base: str | None = None) -> list[str]:
         """Every parameter this preset accepts (with the default scorer for ``adakv``)."""
@@ -120,6 +123,13 @@ PRESETS: dict[str, Preset] = {
         Preset("rocketkv_mt", "everything in memory; each turn SnapKV++ marks N/c^r, hybrid sparse attention "
                "among them; token budget t (selection)", GroupWindowAttention, TwoStageSplit,
                FilteredHybridSparse, action="mark"),
+        Preset("trimkv", "learned retention gates (untied), top-M per head, evicting at prefill and decoding",
+               RetentionGate, defaults={"schedule": "decode", "buffer": 16, "pretrained": "trimkv"}),
+        Preset("dbtrimkv", "learned retention gates (tied readout), one global budget over all layers and heads",
+               RetentionGate, GlobalBudget, defaults={"schedule": "decode", "buffer": 16, "pretrained": "dbtrimkv"}),
+        Preset("dbtrimkv_untied", "dbtrimkv's global ranking with untied gates (the paper's no-tying ablation)",
+               RetentionGate, GlobalBudget,
+               defaults={"schedule": "decode", "buffer": 16, "pretrained": "dbtrimkv_untied"}),
     )
 }
 
@@ -163,6 +173,7 @@ def _owner(param: str, p: Preset, classes: dict[str, type[Part] | None]) -> tupl
 def make_policy(name: str, **params: Any) -> Policy:
     """Build a preset; unknown names and parameters, and out-of-range values, raise before any work."""
     p = preset(name)
+    params = {**p.defaults, **params}
     base_name = params.pop("base", "snapkv") if p.base_param else None
     allowed = p.parameters(base_name if isinstance(base_name, str) else None)
     if p.base_param:

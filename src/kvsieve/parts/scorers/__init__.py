@@ -6,6 +6,7 @@ from kvsieve.parts.scorers.global_local import GlobalLocal
 from kvsieve.parts.scorers.h2o import AccumulatedAttention
 from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.parts.scorers.restkv import OutputReconstruction
+from kvsieve.parts.scorers.retention import RetentionGate
 from kvsieve.parts.scorers.snapkv import WindowAttention
 from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
 from kvsieve.parts.scorers.streaming_llm import Sinks
@@ -18,6 +19,7 @@ SCORERS: dict[str, type[Scorer]] = {
                 GlobalLocal)
 }
 SCORERS[GroupWindowAttention.name] = GroupWindowAttention
+SCORERS[RetentionGate.name] = RetentionGate
 
 __all__ = [
     "SCORERS",
@@ -28,6 +30,7 @@ __all__ = [
     "LastQueryAttention",
     "OutputReconstruction",
     "RandomScores",
+    "RetentionGate",
     "Scorer",
     "Sinks",
     "WindowAttention",

@@ -83,3 +83,7 @@ class Scorer(Part):
 
     def score(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         return self.protect(self.raw(step, nominal), step, nominal)
+
+    def bind(self, model: torch.nn.Module) -> Scorer:
+        """This scorer ready for ``model`` (learned scorers load their weights here; default: itself)."""
+        return self

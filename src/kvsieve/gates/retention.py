@@ -1,0 +1,176 @@
+"""Retention gates of TrimKV / DBTrimKV: per layer and KV head, ``β = σ(w_out · φ(W x + b) + b_out)``.
+
+TrimKV (Bui et al. 2025, "Cache What Lasts", arXiv:2512.03324) gives every cached token a retention score
+``β_i ∈ (0, 1)`` predicted once, when the token enters the cache, from the hidden state ``x_i`` its layer's
+attention reads (after the layer's norm); its importance then decays geometrically, ``β_i^{t−i}``.
+DBTrimKV (``papers/dbtrimkv.txt`` Sec. 4.1, "Weight-tied retention gates") ties the final projection
+``(w_out, b_out)`` across all layers and heads so that scores of different heads share one scale and can
+be ranked globally; TrimKV keeps one ``(w_out, b_out)`` per layer and head.
+
+Reading chosen here (the paper's equation was lost in extraction; ``METHODS.md`` restates it): each
+(layer, KV head) has its own first layer ``W_{l,h} ∈ R^{d×r}, b_{l,h}`` (``r = gate_hidden``), the
+activation ``φ`` is SiLU (the model's ``hidden_act`` in the authors' released configs), and the readout is
+``w_out ∈ R^r, b_out ∈ R`` (tied) or ``w_out ∈ R^{L×H×r}, b_out ∈ R^{L×H}`` (untied). ``b_out`` starts at
+18 (Sec. 5.1), so ``β ≈ 1 − 1.5·10⁻⁸``: a fresh gate is (numerically) full attention. The gate returns
+``log β = log σ(z)`` (never ``β`` itself, which rounds to 1 in float32).
+
+Files: ``<stem>.safetensors`` (the tensors) and ``<stem>.json`` (:class:`GateConfig`: base-model
+architecture, shapes, tying, training summary). :func:`load_gates` refuses a model whose architecture or
+shapes differ, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+#: ``b_out`` at initialisation (DBTrimKV Sec. 5.1): β ≈ 1, the gated model starts as the full model.
+B_OUT_INIT = 18.0
+FORMAT = "kvsieve-retention-gates/1"
+
+
+class GateMismatchError(ValueError):
+    """Gates were trained for another model (architecture or shapes differ)."""
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """What the gates were built for: the base model's architecture and shapes, and the gate's own shape."""
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    hidden_size: int
+    gate_hidden: int = 32
+    tied: bool = True
+    activation: str = "silu"
+    #: Base model name (informational: the folder or hub name it was loaded from).
+    model_name: str = ""
+    #: Free-form training summary (data, steps, losses) written by the trainer.
+    training: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+
+    @staticmethod
+    def for_model(model: torch.nn.Module, gate_hidden: int = 32, tied: bool = True) -> GateConfig:
+        cfg = _text_config(model)
+        return GateConfig(
+            model_type=str(cfg.model_type), num_layers=int(cfg.num_hidden_layers),
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+            hidden_size=int(cfg.hidden_size), gate_hidden=gate_hidden, tied=tied,
+            model_name=Path(str(getattr(cfg, "_name_or_path", "") or "")).name,
+        )
+
+    def check_model(self, model: torch.nn.Module, source: str = "gates") -> None:
+        """Raise :class:`GateMismatchError` naming the first field where ``model`` differs."""
+        other = GateConfig.for_model(model)
+        for name in ("model_type", "num_layers", "num_kv_heads", "hidden_size"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise GateMismatchError(
+                    f"{source} were trained for a {self.model_type} model with num_layers={self.num_layers}, "
+                    f"num_kv_heads={self.num_kv_heads}, hidden_size={self.hidden_size} ({self.model_name or '?'}); "
+                    f"this model has {name}={theirs!r} (gates: {mine!r}). Train gates for it with `kvsieve train`"
+                )
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+class RetentionGates(torch.nn.Module):
+    """All retention gates of one model: ``log_beta(layer, x) → (batch, kv_heads, tokens)``."""
+
+    def __init__(self, config: GateConfig, init_std: float = 0.02, seed: int | None = 0):
+        super().__init__()
+        if config.activation != "silu":
+            raise ValueError(f"activation must be 'silu'; got {config.activation!r}")
+        for name in ("num_layers", "num_kv_heads", "hidden_size", "gate_hidden"):
+            if int(getattr(config, name)) < 1:
+                raise ValueError(f"GateConfig.{name} must be an int ≥ 1; got {getattr(config, name)!r}")
+        self.config = config
+        layers, heads, d, r = config.num_layers, config.num_kv_heads, config.hidden_size, config.gate_hidden
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.w_in = torch.nn.Parameter(torch.randn(layers, heads, d, r, generator=gen) * init_std)
+        self.b_in = torch.nn.Parameter(torch.zeros(layers, heads, r))
+        out_shape = (r,) if config.tied else (layers, heads, r)
+        self.w_out = torch.nn.Parameter(torch.randn(*out_shape, generator=gen) * init_std)
+        self.b_out = torch.nn.Parameter(torch.full(() if config.tied else (layers, heads), B_OUT_INIT))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"RetentionGates({c.model_type} {c.num_layers}×{c.num_kv_heads}, hidden {c.gate_hidden}, "
+                f"{'tied' if c.tied else 'untied'})")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RetentionGates:
+        return self  # read-only at inference: copies of a cache share their gates
+
+    def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Gate pre-activations ``z`` ``(batch, kv_heads, tokens)`` from ``hidden`` ``(batch, tokens, d)``."""
+        x = hidden.to(self.w_in.dtype)
+        inner = torch.nn.functional.silu(torch.einsum("btd,hdr->bhtr", x, self.w_in[layer]) + self.b_in[layer, :, None])
+        if self.config.tied:
+            return inner @ self.w_out + self.b_out
+        return (inner @ self.w_out[layer].unsqueeze(-1)).squeeze(-1) + self.b_out[layer, :, None]
+
+    def log_beta(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``log β`` ``(batch, kv_heads, tokens)`` (float32), numerically safe for β near 1."""
+        return torch.nn.functional.logsigmoid(self.logits(layer, hidden).float())
+
+    # ------------------------------------------------------------------ files
+    def save(self, stem: str | Path) -> tuple[Path, Path]:
+        """Write ``<stem>.safetensors`` and ``<stem>.json``; returns both paths."""
+        stem = Path(stem)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        weights, meta = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+        save_file(tensors, str(weights), metadata={"format": FORMAT})
+        meta.write_text(json.dumps(asdict(self.config), indent=1, sort_keys=True) + "\n")
+        return weights, meta
+
+
+def gate_files(stem: str | Path) -> tuple[Path, Path]:
+    """The ``.safetensors`` and ``.json`` files of a gate ``stem`` (either file's path is accepted too)."""
+    stem = Path(stem)
+    if stem.suffix in (".safetensors", ".json"):
+        stem = stem.with_suffix("")
+    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def read_config(stem: str | Path) -> GateConfig:
+    _, meta = gate_files(stem)
+    if not meta.is_file():
+        raise FileNotFoundError(f"gates: no config file {meta} (expected next to the .safetensors)")
+    raw = json.loads(meta.read_text())
+    if raw.get("format") != FORMAT:
+        raise GateMismatchError(f"gates: {meta} is not a {FORMAT} file (format={raw.get('format')!r})")
+    return GateConfig(**raw)
+
+
+def load_gates(stem: str | Path, model: torch.nn.Module | None = None) -> RetentionGates:
+    """Load gates from ``<stem>.safetensors`` + ``<stem>.json``; with ``model``, refuse a mismatched one.
+
+    The tensors must have exactly the shapes the config names (a hand-edited or truncated file raises).
+    The gates are put on the model's device (float32) and frozen.
+    """
+    weights, _ = gate_files(stem)
+    config = read_config(stem)
+    if model is not None:
+        config.check_model(model, source=f"gates {weights.name}")
+    gates = RetentionGates(config, seed=None)
+    tensors = load_file(str(weights))
+    expected = {k: tuple(v.shape) for k, v in gates.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if expected != got:
+        raise GateMismatchError(f"gates {weights}: tensors {got} do not match the config's shapes {expected}")
+    gates.load_state_dict(tensors)
+    gates.requires_grad_(False)
+    if model is not None:
+        device = next(iter(model.parameters())).device
+        gates = gates.to(device)
+    return gates

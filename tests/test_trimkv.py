@@ -1,0 +1,288 @@
+"""TrimKV / DBTrimKV: retention gates, their files, the inference policies, gated attention and training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_model
+from helpers import prompt
+from transformers import DynamicCache
+
+import kvsieve
+from kvsieve.gates import B_OUT_INIT, GateConfig, GateMismatchError, RetentionGates, load_gates
+from kvsieve.parts.scorers.retention import log_horizon, retention_score
+from kvsieve.train import TrainConfig, capacity_loss, dense_gated_attention, gated_attention, train_gates
+from kvsieve.train.student import GateContext, student_mode
+
+
+def _gates(model: torch.nn.Module, tied: bool = True, spread: bool = True, seed: int = 0) -> RetentionGates:
+    """Random gates; ``spread``: β well inside (0, 1) and varied, so rankings are non-trivial."""
+    gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=tied), seed=seed)
+    if spread:
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            gates.w_in.copy_(torch.randn(gates.w_in.shape, generator=gen))
+            gates.w_out.copy_(torch.randn(gates.w_out.shape, generator=gen))
+            gates.b_out.fill_(1.0)
+    return gates.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------- gates and files
+def test_fresh_gate_is_almost_one():
+    model = build_model("llama")
+    gates = _gates(model, spread=False)
+    assert gates.b_out.item() == B_OUT_INIT
+    lb = gates.log_beta(0, torch.randn(2, 5, model.config.hidden_size))
+    assert lb.shape == (2, model.config.num_key_value_heads, 5)
+    assert bool((lb < 0).all()) and bool((lb > -1e-6).all())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_load_round_trip_bit_exact(tmp_path, tied):
+    model = build_model("llama")
+    gates = _gates(model, tied=tied)
+    gates.save(tmp_path / "g")
+    loaded = load_gates(tmp_path / "g", model)
+    assert loaded.config == gates.config
+    for (name, a), (_, b) in zip(gates.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    x = torch.randn(1, 7, model.config.hidden_size)
+    assert torch.equal(gates.log_beta(1, x), loaded.log_beta(1, x))
+    assert not any(p.requires_grad for p in loaded.parameters())
+
+
+def test_load_refuses_mismatched_model(tmp_path):
+    _gates(build_model("llama")).save(tmp_path / "g")
+    with pytest.raises(GateMismatchError, match="model_type='qwen2'"):
+        load_gates(tmp_path / "g", build_model("qwen2"))
+    with pytest.raises(GateMismatchError, match="model_type"):
+        kvsieve.KVCache(build_model("qwen2"), "dbtrimkv", budget=8, gates=str(tmp_path / "g"))
+
+
+def test_load_refuses_tampered_shapes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build_model("llama")
+    _gates(model).save(tmp_path / "g")
+    tensors = load_file(str(tmp_path / "g.safetensors"))
+    tensors["w_in"] = tensors["w_in"][:, :, :, :4].contiguous()
+    save_file(tensors, str(tmp_path / "g.safetensors"))
+    with pytest.raises(GateMismatchError, match="do not match"):
+        load_gates(tmp_path / "g", model)
+
+
+def test_missing_pretrained_gates_say_how_to_train():
+    with pytest.raises(FileNotFoundError, match="kvsieve train"):
+        kvsieve.KVCache(build_model("qwen3"), "dbtrimkv", budget=8)
+
+
+def test_bad_parameters_refused_before_touching_model():
+    model = build_model("llama")
+    before = model.config._attn_implementation
+    for kwargs in ({"lookahead": 0}, {"window": -1}, {"pretrained": "nope"}, {"gates": 3}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            kvsieve.KVCache(model, "dbtrimkv", budget=8, **kwargs)
+    assert model.config._attn_implementation == before
+
+
+# ---------------------------------------------------------------------------------------------- score
+def test_score_hand_computed():
+    lb = torch.tensor([math.log(0.5), math.log(0.9)])
+    age = torch.tensor([2.0, 0.0])
+    # n = 1: (t + 1 − i)·log β
+    assert torch.allclose(retention_score(lb, age, 1), torch.tensor([3 * math.log(0.5), math.log(0.9)]))
+    # n = 3: log(β^{a+1} + β^{a+2} + β^{a+3})
+    expected = torch.tensor([math.log(0.5**3 + 0.5**4 + 0.5**5), math.log(0.9 + 0.81 + 0.729)])
+    assert torch.allclose(retention_score(lb, age, 3), expected, atol=1e-6)
+    # β → 1: the horizon term tends to log n, finitely
+    tiny = torch.tensor([-1.5e-8, 0.0])
+    assert torch.allclose(log_horizon(tiny, 32), torch.full((2,), math.log(32)), atol=1e-5)
+
+
+def test_capacity_loss_hand_computed():
+    # one layer, two heads, three queries: masses per (head, t)
+    masses = [torch.tensor([[[1.0, 2.0, 5.0], [1.0, 1.5, 1.0]]])]
+    # per head, M = 2: overflow (0, 0, 3) and (0, 0, 0) → mean 3/6, divided by M
+    assert capacity_loss(masses, 2, "head").item() == pytest.approx(3 / 6 / 2)
+    # global, M = 2 → total budget 4: sums (2, 3.5, 6) → overflow (0, 0, 2) → mean 2/3, divided by 4
+    assert capacity_loss(masses, 2, "global").item() == pytest.approx(2 / 3 / 4)
+    with pytest.raises(ValueError, match="scope"):
+        capacity_loss(masses, 2, "layer")
+
+
+# ---------------------------------------------------------------------------------------------- inference
+@pytest.mark.parametrize("policy", ["trimkv", "dbtrimkv"])
+def test_fresh_gates_with_budget_covering_everything_equal_full_cache(policy):
+    model, ref = build_model("llama"), build_model("llama")
+    ids = prompt(batch=2, length=20)
+    cache = kvsieve.KVCache(model, policy, budget=64, gates=_gates(model, spread=False))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache, output_logits=True,
+                         return_dict_in_generate=True)
+    full = ref.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(), output_logits=True,
+                        return_dict_in_generate=True)
+    assert torch.equal(out.sequences, full.sequences)
+    for a, b in zip(out.logits, full.logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dbtrimkv_holds_exactly_the_global_budget_ragged_every_step():
+    model = build_model("llama")
+    budget, layers, heads = 12, model.config.num_hidden_layers, model.config.num_key_value_heads
+    ids = prompt(batch=2, length=40, seed=3)
+    cache = kvsieve.KVCache(model, "dbtrimkv", budget=budget, buffer=0, window=2, gates=_gates(model))
+    out = model(ids, past_key_values=cache)
+    token = out.logits[:, -1:].argmax(-1)
+    seen_ragged = False
+    for _ in range(10):
+        out = model(token, past_key_values=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        lengths = cache.head_lengths()  # (layers, batch, heads)
+        assert lengths.sum(dim=(0, 2)).tolist() == [layers * heads * budget] * 2
+        assert int(lengths.min()) >= 2  # the protected window
+        seen_ragged |= bool((lengths != lengths[0, 0, 0]).any())
+        for layer in range(layers):  # positions stay sorted and unique
+            pos = cache.kept_positions(layer, 1, 0)
+            assert bool((pos[1:] > pos[:-1]).all())
+    assert seen_ragged
+
+
+def test_trimkv_holds_budget_per_head_and_keeps_the_highest_scores():
+    model = build_model("llama")
+    gates = _gates(model, tied=False)
+    ids = prompt(batch=1, length=30, seed=5)
+    cache = kvsieve.KVCache(model, "trimkv", budget=10, window=0, lookahead=1, gates=gates)
+    model(ids, past_key_values=cache)
+    model(ids[:, -1:] * 0 + 7, past_key_values=cache)  # the prompt's compaction is applied here, then 1 more
+    cache.flush()
+    assert cache.head_lengths().max() <= 10 + 16
+    # the prompt compaction kept, per head, the top-10 log β·(t + 1 − i) of the 30 prompt tokens
+    with torch.no_grad():
+        hidden = {}
+
+        def grab(module, args, kwargs):
+            hidden[module.layer_idx] = kwargs["hidden_states"]
+
+        handles = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
+        model(ids, past_key_values=DynamicCache())
+        for handle in handles:
+            handle.remove()
+    for layer in range(model.config.num_hidden_layers):
+        lb = gates.log_beta(layer, hidden[layer])[0]  # (heads, 30)
+        score = retention_score(lb, 29 - torch.arange(30.0), 1)
+        for head in range(lb.shape[0]):
+            kept = cache.kept_positions(layer, 0, head)
+            prompt_kept = kept[kept < 30]
+            assert set(prompt_kept.tolist()) <= set(score[head].topk(10).indices.tolist())
+
+
+def test_dbtrimkv_batch_rows_are_independent():
+    model = build_model("llama")
+    gates = _gates(model)
+    a, b = prompt(1, 30, seed=1), prompt(1, 30, seed=2)
+    both = kvsieve.KVCache(model, "dbtrimkv", budget=8, window=1, gates=gates)
+    model(torch.cat([a, b]), past_key_values=both)
+    alone = kvsieve.KVCache(model, "dbtrimkv", budget=8, window=1, gates=gates)
+    model(b, past_key_values=alone)
+    for layer in range(model.config.num_hidden_layers):
+        for head in range(model.config.num_key_value_heads):
+            assert torch.equal(both.kept_positions(layer, 1, head), alone.kept_positions(layer, 0, head))
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_gated_attention_with_beta_one_is_plain_attention():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 33, 8, generator=gen) for h in (4, 2, 2))
+    out, mass = gated_attention(q, k, v, torch.zeros(2, 2, 33), 0.35, block_size=7)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True, scale=0.35)
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert torch.equal(mass, torch.arange(1.0, 34.0).expand(2, 2, 33))  # Σ_{i≤t} 1 = t + 1
+
+
+@pytest.mark.parametrize("block", [1, 5, 16, 64])
+def test_blockwise_gated_attention_equals_dense_reference_with_gradients(block):
+    gen = torch.Generator().manual_seed(block)
+    q, k, v = (torch.randn(1, h, 29, 8, generator=gen) for h in (6, 2, 2))
+    lb = (-torch.rand(1, 2, 29, generator=gen)).requires_grad_(True)
+    with torch.enable_grad():
+        out, mass = gated_attention(q, k, v, lb, 0.3, block_size=block)
+        ref = dense_gated_attention(q, k, v, lb, 0.3)
+        assert torch.allclose(out, ref, atol=1e-6)
+        (grad,) = torch.autograd.grad((out * torch.arange(8.0)).sum(), lb)
+        (grad_ref,) = torch.autograd.grad((ref * torch.arange(8.0)).sum(), lb)
+    assert torch.allclose(grad, grad_ref, atol=1e-5)
+    t = torch.arange(29.0)
+    age = (t[:, None] - t[None, :]).clamp(min=0)
+    expected = ((age * lb.detach()[0, :, None, :]).exp() * (age[None] >= 0) * (t[:, None] >= t[None, :])).sum(-1)
+    assert torch.allclose(mass[0], expected, atol=1e-5)
+
+
+def test_student_with_fresh_gates_matches_teacher_and_only_gates_get_gradients():
+    model = build_model("llama")
+    model.requires_grad_(False)
+    gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=True))
+    ids = prompt(1, 24)
+    with torch.enable_grad():
+        teacher = model(ids).logits
+        with student_mode(model):
+            ctx = GateContext(gates, block_size=5)
+            student = model(ids, gate_context=ctx).logits
+        assert torch.allclose(student, teacher, atol=1e-4)  # β ≈ 1 − 1.5e-8
+        masses = [ctx.masses[i] for i in sorted(ctx.masses)]
+        (student.logsumexp(-1).sum() + capacity_loss(masses, 4, "global")).backward()
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in gates.parameters())
+
+
+def test_train_is_deterministic_and_resumes(tmp_path):
+    from kvsieve.eval.model_loader import load_tiny_llama
+
+    model, tokenizer = load_tiny_llama()
+    before = {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
+    config = TrainConfig(variant="trimkv", budget=16, steps=2, lengths=(256,), kl_tokens=16, heldout=1,
+                         eval_every=1, save_every=1, gate_hidden=4, lr=1e-2, block_size=64)
+    with torch.enable_grad():
+        straight = train_gates(model, tokenizer, config, output_dir=tmp_path / "a", progress=False)
+        train_gates(model, tokenizer, TrainConfig(**{**config.__dict__, "steps": 1}), output_dir=tmp_path / "b",
+                    progress=False)
+        resumed = train_gates(model, tokenizer, config, output_dir=tmp_path / "b", progress=False)
+    for name, tensor in straight.gates.state_dict().items():
+        assert torch.equal(tensor, resumed.gates.state_dict()[name]), name
+    assert straight.gates.b_out.detach().max() < B_OUT_INIT  # it moved
+    assert [h["kl"] for h in straight.history] == [h["kl"] for h in resumed.history]
+    loaded = load_gates(tmp_path / "a" / "gates", model)
+    assert loaded.config.training["steps"] == 2 and not loaded.config.tied
+    for name, p in model.named_parameters():  # the model is frozen during training and left as it was
+        assert torch.equal(p, before[name][0]) and p.requires_grad == before[name][1], name
+
+
+def test_shared_prefill_feeds_layer_inputs_to_followers_of_a_full_lead():
+    model = build_model("llama")
+    gates = _gates(model)
+    ids = prompt(2, 30, seed=4)
+    lead = kvsieve.KVCache(model, "full")
+    followers = [kvsieve.KVCache(model, p, budget=6, window=1, gates=gates) for p in ("dbtrimkv", "trimkv")]
+    kvsieve.prefill_shared(model, ids, [lead, *followers])
+    for policy, shared in zip(("dbtrimkv", "trimkv"), followers, strict=True):
+        alone = kvsieve.KVCache(model, policy, budget=6, window=1, gates=gates)
+        model(ids, past_key_values=alone)
+        assert torch.equal(shared.head_lengths(), alone.head_lengths())
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(shared.kept_positions(layer, 1, 1), alone.kept_positions(layer, 1, 1))
+
+
+def test_shipped_gates_describe_the_default_model():
+    from kvsieve.gates.pretrained import PRETRAINED_DIR
+    from kvsieve.gates.retention import read_config
+
+    shipped = sorted(PRETRAINED_DIR.glob("smollm2-135m-instruct-*.json"))
+    assert shipped, "the default model's gates must ship with the package"
+    for meta in shipped:
+        config = read_config(meta)
+        assert (config.model_type, config.num_layers, config.num_kv_heads, config.hidden_size) == ("llama", 30, 3, 576)
+        assert config.tied == meta.stem.endswith("-dbtrimkv")
+        assert config.training["steps"] > 0 and "heldout" in config.training
+        assert meta.with_suffix(".safetensors").is_file()
