@@ -20,6 +20,14 @@ def load_default_model(*args, **kwargs):  # type: ignore[no-untyped-def]
     return _load(*args, **kwargs)
 
 
+def load_model(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """Any supported model from one string: a folder, a ``.gguf``, a hub id, ``smollm2``, ``module:function``
+    (see :func:`kvsieve.models.loading.load_model`)."""
+    from kvsieve.models.loading import load_model as _load
+
+    return _load(*args, **kwargs)
+
+
 __all__ = [
     "ARCHITECTURES",
     "KVCache",
@@ -29,6 +37,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "list_policies",
     "load_default_model",
+    "load_model",
     "make_policy",
     "prefill_shared",
     "prepare_model",

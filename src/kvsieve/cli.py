@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvsieve.models.arguments import add_model_arguments
+from kvsieve.models.loading import ModelNotFoundError
 from kvsieve.policies.registry import UnknownPolicyError, list_policies
 
 
@@ -109,11 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--lengths", type=_csv(int, "--lengths"), default=[1024, 2048, 4096])
     niah.add_argument("--depths", type=_csv(float, "--depths"), default=[0.1, 0.3, 0.5, 0.7, 0.9])
     niah.add_argument("--seeds", type=_csv(int, "--seeds"), default=[0])
-    niah.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                      help="float32 is ~3.5x faster than bf16 on CPUs without native bf16 (AVX2)")
+    add_model_arguments(niah)
     niah.add_argument("--max-new-tokens", type=int, default=8)
     niah.add_argument("--output", default="results/niah.json", help="JSON result file")
     niah.add_argument("--no-progress", action="store_true")
+    niah.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     niah.set_defaults(func=_cmd_niah)
     _add_suite_commands(sub)
     return parser
@@ -123,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (UnknownPolicyError, ValueError) as err:
+    except (UnknownPolicyError, ValueError, ModelNotFoundError) as err:
         print(f"kvsieve: error: {err}", file=sys.stderr)
         return 2
 

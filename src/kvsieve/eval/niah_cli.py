@@ -6,7 +6,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -86,12 +85,10 @@ def run_niah_command(args: argparse.Namespace) -> int:
 
     from kvsieve.cache.kv_cache import KVCache
     from kvsieve.eval.niah import run_niah
-    from kvsieve.models.default_model import load_default_model
+    from kvsieve.models.arguments import check_model_args, load_model_from_args
 
-    dtype = getattr(torch, args.dtype)
-    started = time.perf_counter()
-    model, tokenizer = load_default_model(dtype=dtype)
-    print(f"loaded default model in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    check_model_args(args)
+    model, tokenizer = load_model_from_args(args)
 
     factories: dict[str, Callable[[], Any]] = {"full": lambda: None}
     for name, policy in built.items():
@@ -106,7 +103,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "task": "niah_passkey",
-        "model": "SmolLM2-135M-Instruct",
+        "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
         "dtype": args.dtype,
         "policies": {name: str(policy) for name, policy in built.items()},
         "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
