@@ -54,7 +54,7 @@ def test_unsupported_gguf_architecture_is_read_from_metadata(tmp_path: Path) -> 
     writer.write_tensors_to_file()
     writer.close()
     assert spec_kind(str(path)) == "gguf"
-    with pytest.raises(kvsieve.UnsupportedArchitectureError, match="'gpt2'.*supported GGUF architectures"):
+    with pytest.raises(kvsieve.UnsupportedArchitectureError, match=r"'gpt2'.*supported GGUF architectures"):
         load_model(str(path))
 
 
@@ -81,7 +81,7 @@ def test_bad_specs_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="not a local folder"):
         load_model(str(tmp_path / "missing" / "model.gguf"))
     (tmp_path / "weights.bin").write_bytes(b"")
-    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+    with pytest.raises(ModelNotFoundError, match=r"not a \.gguf"):
         load_model(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="dtype"):
         load_model("tiny-llama", dtype="int8")
@@ -129,3 +129,18 @@ def test_bench_command_on_a_model_folder(tiny_folder: Path, tmp_path: Path, monk
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == str(tiny_folder)
     assert {row["label"] for row in result["summary"]} == {"full", "snapkv"}
+
+
+def test_generate_command_on_a_model_folder(tiny_folder: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"Item {i} is stored in box {(7 * i) % 31}." for i in range(40)))
+    code = main(["generate", "--model", str(tiny_folder), "--context", str(doc), "--compare", "full,snapkv",
+                 "--budget", "32", "--max-new-tokens", "3", "Which box holds item 12?", "Name a box."])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("=== full |") == 2 and out.count("=== snapkv@32 |") == 2
+    table = out[out.index("cache "):]
+    assert "full " in table and "100.0%" in table and "snapkv@32" in table
+    assert main(["generate", "--model", str(tiny_folder), "--context", str(doc), "--policy", "nope", "q"]) == 2
+    assert main(["generate", "--model", str(tiny_folder), "--context", str(tmp_path / "missing.txt"), "q"]) == 2

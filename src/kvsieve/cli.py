@@ -1,4 +1,4 @@
-"""The ``kvsieve`` command line: ``list``, ``niah``, ``eval``, ``plot``, ``bench``."""
+"""The ``kvsieve`` command line: ``list``, ``niah``, ``eval``, ``plot``, ``bench``, ``generate``."""
 
 from __future__ import annotations
 
@@ -99,8 +99,30 @@ def _add_suite_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     bench.set_defaults(func=_cmd_bench)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvsieve.generation.cli import run_generate_command
+
+    return run_generate_command(args)
+
+
+def _add_generate_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvsieve.generation.cli import add_generate_arguments
+
+    generate = sub.add_parser("generate", help="answer questions about your document with a compressed cache "
+                                               "(--compare several caches side by side)")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=_cmd_generate)
+
+
+def _version() -> str:
+    from kvsieve import __version__
+
+    return f"kvsieve {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsieve", description="KV-cache compression for transformers")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the registered policies with their parameters").set_defaults(func=_cmd_list)
 
@@ -118,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--no-plot", action="store_true", help="do not draw the figure")
     niah.set_defaults(func=_cmd_niah)
     _add_suite_commands(sub)
+    _add_generate_command(sub)
     return parser
 
 
