@@ -7,6 +7,7 @@ model instance to the ``"kvsieve"`` attention (the model's own attention when no
 from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
 
@@ -30,11 +31,15 @@ def load_model(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 __all__ = [
     "ARCHITECTURES",
+    "Answer",
+    "CompressedContext",
+    "ContextStats",
     "KVCache",
     "Policy",
     "PolicyConfigError",
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
+    "compress_context",
     "list_policies",
     "load_default_model",
     "load_model",

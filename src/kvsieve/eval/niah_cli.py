@@ -9,6 +9,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -89,7 +90,8 @@ def _warm_up(model: Any, caches: list[Any]) -> None:
     from transformers import DynamicCache
 
     ids = torch.arange(3, 67, device=model.device)[None]
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nothing was compressed": the warm-up prompt may fit the budget
         for cache in [DynamicCache(config=model.config), *caches]:
             token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             for _ in range(2):
