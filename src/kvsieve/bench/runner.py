@@ -167,7 +167,10 @@ def run_bench(config: BenchConfig, output: str | Path | None = None, progress: b
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         if plot:
-            from kvsieve.bench.plot import plot_bench
-
-            plot_bench(result, out.with_suffix(""))
+            try:
+                from kvsieve.bench.plot import plot_bench
+            except ImportError:
+                print("no figure: matplotlib is not installed (pip install 'kvsieve[plots]')", file=sys.stderr)
+            else:
+                plot_bench(result, out.with_suffix(""))
     return result
