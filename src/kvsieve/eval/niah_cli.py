@@ -146,7 +146,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
     from kvsieve.models.arguments import check_model_args, load_model_from_args
 
     check_model_args(args)
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
     model, tokenizer = load_model_from_args(args)
 
     _warm_up(model, [KVCache(model, p) for p in list(built.values())[:1]])
@@ -157,12 +157,12 @@ def run_niah_command(args: argparse.Namespace) -> int:
         model, tokenizer, lengths=args.lengths, depths=args.depths, seeds=args.seeds,
         make_cache_fns=factories, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )
-    wall_s = time.perf_counter() - started
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     rows = summarize(records)
     print(format_table(rows))
     print(f"EM: exact match; logp: teacher-forced log-likelihood of the pass key (nats, higher is better); "
           f"speed: decoding tokens/s vs the full cache; {len(args.depths) * len(args.seeds)} samples per row; "
-          f"{wall_s / 60:.1f} min with {torch.get_num_threads()} torch threads")
+          f"{wall_s / 60:.1f} min ({cpu_s / 60:.1f} CPU min) with {torch.get_num_threads()} torch threads")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -172,7 +172,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
         "policies": {name: str(policy) for name, policy in built.items()},
         "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
         "torch": torch.__version__, "python": platform.python_version(),
-        "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s,
+        "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s, "cpu_s": cpu_s,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "summary": rows,
         "records": [{k: v for k, v in r.items() if k != "generated_ids"} for r in records],
