@@ -78,7 +78,7 @@ def test_hub_id_offline_fails_fast_asking_for_a_local_path(monkeypatch: pytest.M
 
 
 def test_bad_specs_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match="not a local folder"):
+    with pytest.raises(ModelNotFoundError, match=r"unknown model.*not a local folder"):
         load_model(str(tmp_path / "missing" / "model.gguf"))
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ModelNotFoundError, match=r"not a \.gguf"):

@@ -147,8 +147,8 @@ def spec_kind(spec: str) -> str:
     if not looks_like_path and _HUB_ID.match(spec):
         return "hub"
     raise ModelNotFoundError(
-        f"model: {spec!r} is not a local folder or .gguf file, a hub id (org/name), 'package.module:function' "
-        f"or one of {list(BUILTIN_MODELS)}"
+        f"model: unknown model {spec!r}: not a local folder or .gguf file, a hub id (org/name), "
+        f"'package.module:function' or one of {list(BUILTIN_MODELS)}"
     )
 
 
