@@ -1,7 +1,7 @@
 """The figure of ``kvsieve niah``: exact match and answer log-likelihood vs KV budget, one line per policy.
 
-One column per context length; the full cache is a dashed horizontal line; the x axis is the budget in
-entries per KV head (log scale) with the share of the full cache it holds on the top axis. Needs
+One column per context length; the full cache is a dashed horizontal line; the x axis lists the budgets
+in entries per KV head, evenly spaced, with the share of the context each keeps. Needs
 matplotlib (the ``plots`` extra), imported only when a figure is drawn.
 """
 
@@ -34,21 +34,18 @@ def plot_niah(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
             ax = axes[row_i][col]
             if full is not None:
                 ax.axhline(full[metric], color="black", linestyle="--", linewidth=1.2, label="full cache")
+            slot = {b: i for i, b in enumerate(budgets)}  # evenly spaced budgets, labelled with their values
             for i, policy in enumerate(policies):
                 pts = sorted((r for r in here if r["policy"] == policy), key=lambda r: r["budget"])
-                ax.plot([p["budget"] for p in pts], [p[metric] for p in pts], marker="o", markersize=4,
+                ax.plot([slot[p["budget"]] for p in pts], [p[metric] for p in pts], marker="o", markersize=4,
                         color=cmap(i % 10), label=policy)
-            if budgets:
-                ax.set_xscale("log", base=2)
-                ax.set_xticks(budgets, [str(b) for b in budgets])
-                ax.minorticks_off()
             if metric == "exact_match":
                 ax.set_ylim(-0.05, 1.05)
                 ax.set_title(f"passkey retrieval, {length}-token context")
+                ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
             else:
                 ax.set_xlabel("KV budget (entries per head; % of the full cache)")
-                if budgets:
-                    ax.set_xticks(budgets, [f"{b}\n{100 * b / length:.0f}%" for b in budgets])
+                ax.set_xticks(range(len(budgets)), [f"{b}\n{100 * b / length:.0f}%" for b in budgets])
             if col == 0:
                 ax.set_ylabel(label)
             ax.grid(alpha=0.3)
