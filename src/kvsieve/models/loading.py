@@ -49,6 +49,10 @@ class ModelNotFoundError(FileNotFoundError):
     """The model spec names nothing loadable (no such path, hub unreachable, unknown name)."""
 
 
+class MissingExtraError(ImportError):
+    """Loading this model needs an optional package (the message names the ``pip install`` to run)."""
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` or ``torch.float32`` → ``torch.float32``; anything else raises ``ValueError``."""
     if isinstance(dtype, torch.dtype):
@@ -110,7 +114,7 @@ def gguf_architecture(path: Path) -> str:
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise ImportError(
+        raise MissingExtraError(
             f"model: loading {path.name} needs the 'gguf' package: pip install 'kvsieve[default-model]'"
         ) from None
     reader = GGUFReader(str(path))
