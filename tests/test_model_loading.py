@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +13,14 @@ import torch
 import kvsieve
 from kvsieve.cli import main
 from kvsieve.eval.model_loader import load_tiny_llama
-from kvsieve.models.loading import ModelNotFoundError, gguf_architecture, load_model, spec_kind
+from kvsieve.models.loading import (
+    MissingExtraError,
+    ModelNotFoundError,
+    gguf_architecture,
+    load_model,
+    resolve_device,
+    spec_kind,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,15 @@ def test_unsupported_gguf_architecture_is_read_from_metadata(tmp_path: Path) -> 
         load_model(str(path))
 
 
+def test_gguf_without_the_extra_names_the_pip_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the default-model extra were not installed
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(MissingExtraError, match=r"kvsieve\[default-model\]"):
+        load_model(str(path))
+    assert main(["niah", "--model", str(path), "--output", str(tmp_path / "x.json")]) == 2
+
+
 def test_default_model_gguf_is_recognised_as_llama() -> None:
     pytest.importorskip("gguf")
     from kvsieve.models.default_model import gguf_path
@@ -88,6 +105,7 @@ def test_bad_specs_name_the_problem(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device: 'cuda' is not available"):
             load_model("tiny-llama", device="cuda")
+        assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="cannot import"):
         load_model("kvsieve_no_such_module:load")
     model, _ = load_model("kvsieve.eval.model_loader:load_tiny_llama")  # package.module:function
