@@ -87,14 +87,16 @@ def speed_memory(bench: dict[str, Any], path: Path) -> Path:
     colors = {label: "black" if label == "full" else cmap(i % 10) for i, label in enumerate(labels)}
     styles = ("-", "--", ":", "-.")
     fig, (speed_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for label in labels:
+    markers = ("o", "s", "^", "D", "v")
+    for li, label in enumerate(labels):
         for bi, batch in enumerate(batches):
             pts = sorted((r for r in rows if r["label"] == label and r["batch"] == batch), key=lambda r: r["length"])
             speed_ax.plot([p["length"] for p in pts], [p["decode_tokens_per_s"] for p in pts], styles[bi % 4],
                           marker="o", markersize=4, color=colors[label], label=f"{label}, batch {batch}")
         pts = sorted((r for r in rows if r["label"] == label and r["batch"] == batches[0]), key=lambda r: r["length"])
-        mem_ax.plot([p["length"] for p in pts], [p["kv_bytes"] / MIB / batches[0] for p in pts], marker="o",
-                    markersize=4, color=colors[label], label=label)
+        mem_ax.plot([p["length"] for p in pts], [p["kv_bytes"] / MIB / batches[0] for p in pts],
+                    marker=markers[li % len(markers)], markersize=7 - 2 * (li % 2), linestyle=styles[li % 4],
+                    color=colors[label], label=label)  # equal-memory caches overlap: markers tell them apart
     lengths = sorted({r["length"] for r in rows})
     for ax, title in ((speed_ax, "decoding throughput (tokens/s)"), (mem_ax, "KV cache held per sequence (MiB)")):
         ax.set_xscale("log", base=2)
@@ -103,7 +105,7 @@ def speed_memory(bench: dict[str, Any], path: Path) -> Path:
         ax.set_xlabel("context length (tokens)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    mem_ax.set_yscale("log")
+    mem_ax.set_ylim(bottom=0)
     speed_ax.legend(fontsize=7, frameon=False)
     mem_ax.legend(fontsize=7, frameon=False)
     meta = bench.get("meta", {})
