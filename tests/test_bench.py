@@ -21,7 +21,7 @@ TINY = BenchConfig(model="tiny-llama", policies=["snapkv"], budget=32, lengths=[
 def test_quick_mode_writes_well_formed_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every configuration in this process, the tiny model built once (the subprocess is tested below).
     model = load_model("tiny-llama")
-    monkeypatch.setattr(worker, "load_model", lambda name, dtype: model)
+    monkeypatch.setattr(worker, "load_model", lambda name, dtype, device="cpu": model)
     monkeypatch.setattr(runner, "run_worker", run_configuration)
     out = tmp_path / "bench.json"
     run_bench(TINY, output=out, progress=False)

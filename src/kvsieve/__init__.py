@@ -7,6 +7,7 @@ model instance to the ``"kvsieve"`` attention (the model's own attention when no
 from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
 
@@ -20,15 +21,28 @@ def load_default_model(*args, **kwargs):  # type: ignore[no-untyped-def]
     return _load(*args, **kwargs)
 
 
+def load_model(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """Any supported model from one string: a folder, a ``.gguf``, a hub id, ``smollm2``, ``module:function``
+    (see :func:`kvsieve.models.loading.load_model`)."""
+    from kvsieve.models.loading import load_model as _load
+
+    return _load(*args, **kwargs)
+
+
 __all__ = [
     "ARCHITECTURES",
+    "Answer",
+    "CompressedContext",
+    "ContextStats",
     "KVCache",
     "Policy",
     "PolicyConfigError",
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
+    "compress_context",
     "list_policies",
     "load_default_model",
+    "load_model",
     "make_policy",
     "prefill_shared",
     "prepare_model",

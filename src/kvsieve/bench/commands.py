@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvsieve.bench.runner import BenchConfig, run_bench
+from kvsieve.models.arguments import add_model_arguments
 
 
 def _list(kind: type) -> Any:
@@ -33,8 +34,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help=f"timed decoding steps (default {defaults.steps})")
     parser.add_argument("--warmup", type=int, help=f"untimed decoding steps first (default {defaults.warmup})")
     parser.add_argument("--repeats", type=int, help=f"alternating repeats; medians (default {defaults.repeats})")
-    parser.add_argument("--model", help="smollm2 (default), tiny-llama or module:function")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default float32")
+    add_model_arguments(parser, with_defaults=False)
     parser.add_argument("--threads", type=int, help=f"torch threads per run (default {defaults.threads})")
     parser.add_argument("--isolate-batches", action="store_true", default=None,
                         help="one fresh process per batch size too (prefill repeated per batch)")
@@ -48,7 +48,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Defaults, then ``--quick``, then every flag given."""
     config = BenchConfig().quick() if args.quick else BenchConfig()
     given = {name: getattr(args, name) for name in ("policies", "budget", "lengths", "batches", "steps", "warmup",
-                                                     "repeats", "model", "dtype", "threads", "isolate_batches")}
+                                                     "repeats", "model", "dtype", "device", "threads",
+                                                     "isolate_batches")}
     return replace(config, **{k: v for k, v in given.items() if v is not None})
 
 

@@ -41,12 +41,20 @@ def make_cache(model: torch.nn.Module, policy: str, budget: int | None, params: 
     return KVCache(model, policy, budget=budget, **(params or {}))
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_prefill(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[float, torch.Tensor]:
     """Seconds for the prompt forward (with compression), and the greedy next token ``(batch, 1)``."""
+    _synchronize(ids.device)
     start = time.perf_counter()
     out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     if isinstance(cache, KVCache):
         cache.flush()  # the prompt's compaction (it would otherwise run at the first decoding step)
+    _synchronize(ids.device)
     return time.perf_counter() - start, out.logits[:, -1:].argmax(-1)
 
 
@@ -58,6 +66,7 @@ def decode_latencies(
     for _ in range(steps):
         start = time.perf_counter()
         token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        _synchronize(token.device)
         latencies.append(time.perf_counter() - start)
     return latencies, token
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvsieve.bench.worker import RESULT_MARKER
 from kvsieve.eval.model_loader import DEFAULT_MODEL, parse_dtype, validate_model_name
 from kvsieve.eval.sweep_config import PolicySpec
+from kvsieve.models.loading import resolve_device
 
 FULL = "full"
 #: Figures summarised per (length, batch, cache); each also gets a ``<name>_ratio`` to the full cache.
@@ -42,6 +43,7 @@ class BenchConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
+    device: str = "cpu"
     threads: int = 1
     policies: list[str] = field(default_factory=lambda: ["snapkv"])
     budget: int = 256
@@ -67,6 +69,7 @@ def validate(config: BenchConfig) -> list[PolicySpec]:
         make_policy(spec.name, budget=config.budget, **spec.params_dict)
     parse_dtype(config.dtype)
     validate_model_name(config.model)
+    resolve_device(config.device)
     for name in ("threads", "steps", "repeats"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name}: must be ≥ 1; got {getattr(config, name)}")
@@ -100,6 +103,7 @@ def _runs_for(config: BenchConfig, specs: list[PolicySpec]) -> list[dict[str, An
                 for spec in [PolicySpec(FULL), *specs]:
                     plan.append({
                         "repeat": repeat, "model": config.model, "dtype": config.dtype, "threads": config.threads,
+                        "device": config.device,
                         "length": length, "policy": spec.name, "params": spec.params_dict, "label": spec.label,
                         "budget": None if spec.name == FULL else config.budget, "batches": batches,
                         "steps": config.steps, "warmup": config.warmup,
@@ -163,7 +167,10 @@ def run_bench(config: BenchConfig, output: str | Path | None = None, progress: b
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         if plot:
-            from kvsieve.bench.plot import plot_bench
-
-            plot_bench(result, out.with_suffix(""))
+            try:
+                from kvsieve.bench.plot import plot_bench
+            except ImportError:
+                print("no figure: matplotlib is not installed (pip install 'kvsieve[plots]')", file=sys.stderr)
+            else:
+                plot_bench(result, out.with_suffix(""))
     return result

@@ -70,14 +70,14 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
     """Measure one (model, length, cache) over ``spec["batches"]``; see the module docstring."""
     torch.set_num_threads(int(spec["threads"]))
     rss_start = rss_bytes()
-    model, tokenizer = load_model(spec["model"], spec["dtype"])
+    model, tokenizer = load_model(spec["model"], spec["dtype"], spec.get("device", "cpu"))
     length = int(spec["length"])
     limit = getattr(model.config, "max_position_embeddings", None)
     needed = length + spec["warmup"] + spec["steps"]
     if limit is not None and needed > limit:
         raise ValueError(f"context {length} + {spec['warmup'] + spec['steps']} decoding steps exceeds the "
                          f"model's {limit} positions")
-    ids = prompt_ids(tokenizer, length)
+    ids = prompt_ids(tokenizer, length).to(model.device)
     process_peak = 0
     with torch.no_grad():
         model(ids[:, :8], use_cache=False)  # page the weights in and warm the kernels, for every cache alike

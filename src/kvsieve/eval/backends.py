@@ -53,13 +53,14 @@ class Job:
 
     model: str | None
     dtype: str = "float32"
+    device: str = "cpu"
     cell_fn: str | CellFn = DEFAULT_CELL_FN
     threads: int = 1
     reference_dir: str | None = None
 
 
 Outcome = tuple[Cell, dict[str, Any] | None, str | None]  # (cell, record, error traceback)
-_LOADED: dict[tuple[str, str], tuple[Any, Any]] = {}
+_LOADED: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
 
 def resolve_cell_fn(ref: str | CellFn) -> CellFn:
@@ -73,12 +74,12 @@ def resolve_cell_fn(ref: str | CellFn) -> CellFn:
 def _model_for(job: Job) -> tuple[Any, Any]:
     if job.model is None:
         return None, None
-    key = (job.model, job.dtype)
+    key = (job.model, job.dtype, job.device)
     if key not in _LOADED:
         from kvsieve.eval.model_loader import load_model
 
         _LOADED.clear()  # one model per worker process
-        _LOADED[key] = load_model(job.model, job.dtype)
+        _LOADED[key] = load_model(job.model, job.dtype, job.device)
     return _LOADED[key]
 
 

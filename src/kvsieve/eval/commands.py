@@ -9,6 +9,7 @@ from typing import Any
 
 from kvsieve.eval.results import RECORDS_FILE
 from kvsieve.eval.sweep_config import BACKENDS, CONFIG_KEYS, build_config, load_config_file
+from kvsieve.models.arguments import add_model_arguments
 
 
 def _list(text: str) -> list[str]:
@@ -31,8 +32,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per worker (default cpu count / workers)")
     parser.add_argument("--backend", choices=BACKENDS, help="local processes (default) or Ray tasks")
     parser.add_argument("--address", help="Ray cluster address (default: start a local Ray instance)")
-    parser.add_argument("--model", help="smollm2 (default), tiny-llama (random, for smoke runs) or module:function")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model dtype (default float32)")
+    add_model_arguments(parser, with_defaults=False)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

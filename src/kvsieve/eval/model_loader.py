@@ -1,4 +1,7 @@
-"""Models the evaluation runner and the benchmarks can load by name (picklable: a name and a dtype).
+"""Models the evaluation runner and the benchmarks can load by name (picklable: a string and a dtype).
+
+Every spec :func:`kvsieve.load_model` accepts works here (a folder, a ``.gguf`` file, a hub id, ...);
+besides it:
 
 * ``smollm2`` — the default model, SmolLM2-135M-Instruct (:func:`kvsieve.load_default_model`);
 * ``tiny-llama`` — a randomly initialised 2-layer Llama (hidden size 64, 4 query / 2 KV heads, seed 0)
@@ -9,30 +12,25 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-DEFAULT_MODEL = "smollm2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BUILTIN_MODELS = ("smollm2", "tiny-llama")
+from kvsieve.models.loading import BUILTIN_MODELS, DEFAULT_MODEL, DTYPES, check_model_spec, parse_dtype
 
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"`` → ``torch.float32``; unknown names raise ``ValueError`` listing the known ones."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "DTYPES", "load_model", "load_tiny_llama", "parse_dtype",
+           "validate_model_name"]
 
 
 def validate_model_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a built-in model or a ``module:function`` path."""
-    if name in BUILTIN_MODELS:
-        return
-    if ":" not in name:
-        raise ValueError(f"unknown model {name!r}; use one of {list(BUILTIN_MODELS)} or 'package.module:function'")
+    """Raise ``ValueError`` (or a subclass) unless ``name`` is a spec :func:`kvsieve.load_model` accepts.
+
+    Local folders and GGUF files get their architecture checked too; hub ids only their form.
+    """
+    try:
+        check_model_spec(name)
+    except FileNotFoundError as err:  # ModelNotFoundError: report it as the bad setting it is
+        raise ValueError(str(err)) from None
 
 
 def load_tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.nn.Module, Any]:
@@ -63,22 +61,10 @@ def load_tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[
     return model, tokenizer
 
 
-def _import_function(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"cannot import {path!r}: {err}") from None
+def load_model(
+    name: str = DEFAULT_MODEL, dtype: str = "float32", device: str | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """Load ``(model, tokenizer)`` by spec (see :func:`kvsieve.models.loading.load_model`) in ``dtype``."""
+    from kvsieve.models.loading import load_model as _load
 
-
-def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> tuple[torch.nn.Module, Any]:
-    """Load ``(model, tokenizer)`` by name (see the module docstring) in ``dtype``."""
-    validate_model_name(name)
-    torch_dtype = parse_dtype(dtype)
-    if name == "smollm2":
-        from kvsieve.models.default_model import load_default_model
-
-        return load_default_model(dtype=torch_dtype)
-    if name == "tiny-llama":
-        return load_tiny_llama(torch_dtype)
-    return _import_function(name)(dtype=torch_dtype)  # type: ignore[no-any-return]
+    return _load(name, dtype, device)  # type: ignore[no-any-return]

@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.bench.measure import cache_stats
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.eval.haystack import load_essay_texts
@@ -253,7 +254,8 @@ def score_sample(
     (the pass key appears anywhere in the generation), ``generated``, ``generated_ids``,
     ``answer_logprob`` (sum over ``answer_ids``), ``answer_logprob_per_token``,
     ``answer_token_logprobs``, ``argmax_match`` (teacher-forced argmax equals every answer token),
-    ``prefill_s``, ``decode_s_per_token`` and ``teacher_forced_s`` (the one-call answer pass on the copy).
+    ``prefill_s``, ``decode_s_per_token``, ``teacher_forced_s`` (the one-call answer pass on the copy) and
+    ``kv_bytes`` (keys and values held right after the prefill).
     """
     eos = _eos_ids(model)
     with torch.inference_mode():
@@ -264,6 +266,7 @@ def score_sample(
             started = time.perf_counter()
             first = _forward(model, sample.prompt_ids, cache, 1)
             prefill_s = time.perf_counter() - started
+        kv_bytes = cache_stats(cache)["kv_bytes"]  # what the prefilled (compressed) cache holds
         # The teacher-forced pass continues from a copy of the prefilled (already compressed) cache.
         forced_cache = copy.deepcopy(cache)
         logits = first[-1]
@@ -301,6 +304,7 @@ def score_sample(
         "prefill_s": prefill_s,
         "decode_s_per_token": decode_s / max(1, len(generated) - 1),
         "teacher_forced_s": teacher_forced_s,
+        "kv_bytes": kv_bytes,
     }
 
 

@@ -1,12 +1,15 @@
-"""``kvsieve niah``: the passkey comparison on the default model, as a table and a JSON file."""
+"""``kvsieve niah``: the passkey comparison (full cache, baselines, the papers' methods) over a range of
+budgets, as a table, a JSON file and a plot of exact match and answer log-likelihood vs budget."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -17,38 +20,92 @@ import torch
 from kvsieve.policies.registry import make_policy
 
 
+def _split_name(name: str) -> tuple[str, int | None]:
+    """``"snapkv@256"`` → ``("snapkv", 256)``; ``"full"`` → ``("full", None)``."""
+    policy, sep, budget = name.rpartition("@")
+    return (policy, int(budget)) if sep and budget.isdigit() else (name, None)
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean exact match and answer log-likelihood per (name, context length)."""
+    """Per (cache, context length): mean exact match, answer log-likelihood, KV bytes held and the
+    fraction of the full cache's, mean decoding seconds per token and the speed relative to the full cache."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for rec in records:
         groups[(rec["name"], rec["context_tokens"])].append(rec)
     rows = []
     for (name, length), recs in groups.items():
+        policy, budget = _split_name(name)
+        kv = [r["kv_bytes"] for r in recs if r.get("kv_bytes") is not None]
         rows.append({
             "name": name,
+            "policy": policy,
+            "budget": budget,
             "context_tokens": length,
             "samples": len(recs),
             "exact_match": sum(r["exact_match"] for r in recs) / len(recs),
             "answer_logprob": sum(r["answer_logprob"] for r in recs) / len(recs),
+            "kv_bytes": sum(kv) / len(kv) if kv else None,
+            "decode_s_per_token": sum(r["decode_s_per_token"] for r in recs) / len(recs),
         })
+    for row in rows:
+        full = next((r for r in rows if r["name"] == "full" and r["context_tokens"] == row["context_tokens"]), None)
+        has_kv = full is not None and full["kv_bytes"] and row["kv_bytes"] is not None
+        row["kv_fraction"] = row["kv_bytes"] / full["kv_bytes"] if has_kv else None  # type: ignore[index]
+        speed = full is not None and row["decode_s_per_token"] > 0
+        row["decode_speed_vs_full"] = full["decode_s_per_token"] / row["decode_s_per_token"] if speed else None  # type: ignore[index]
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """One line per cache, one ``EM% / logprob`` column per context length."""
-    lengths = sorted({r["context_tokens"] for r in rows})
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    cell = {(r["name"], r["context_tokens"]): r for r in rows}
-    width = max(len(n) for n in names) + 2
-    header = "policy".ljust(width) + "".join(f"{f'{n} tok: EM  logp':>22}" for n in lengths)
-    lines = [header, "-" * len(header)]
-    for name in names:
-        parts = []
-        for n in lengths:
-            r = cell.get((name, n))
-            parts.append(f"{'':>9}{r['exact_match'] * 100:5.0f}% {r['answer_logprob']:6.2f}" if r else " " * 22)
-        lines.append(name.ljust(width) + "".join(parts))
+    """One line per (cache, length): budget, KV held, exact match, log-likelihood, decoding speed vs full.
+
+    Rows are grouped by context length, the full cache first, then policy by policy in ascending budget.
+    """
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))}
+    ranked = sorted(rows, key=lambda r: (r["context_tokens"], r["policy"] != "full", order.get(r["policy"], -1),
+                                         r["budget"] or 0))
+    width = max(12, *(len(r["policy"]) for r in rows)) + 1
+    head = (f"{'policy':<{width}} {'tokens':>6} {'budget':>6} {'KV MiB':>7} {'% full':>6} {'EM':>5} "
+            f"{'logp':>7} {'ms/tok':>7} {'speed':>6}")
+    lines = [head, "-" * len(head)]
+    previous = None
+    for r in ranked:
+        if previous is not None and r["policy"] != previous:
+            lines.append("")
+        previous = r["policy"]
+        kv = "" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 2**20:7.2f}"
+        frac = "" if r["kv_fraction"] is None else f"{100 * r['kv_fraction']:5.1f}%"
+        speed = "" if r["decode_speed_vs_full"] is None else f"{r['decode_speed_vs_full']:5.2f}x"
+        lines.append(
+            f"{r['policy']:<{width}} {r['context_tokens']:>6} {'-' if r['budget'] is None else r['budget']:>6} "
+            f"{kv:>7} {frac:>6} {100 * r['exact_match']:4.0f}% {r['answer_logprob']:7.2f} "
+            f"{1000 * r['decode_s_per_token']:7.1f} {speed:>6}"
+        )
     return "\n".join(lines)
+
+
+def _warm_up(model: Any, caches: list[Any]) -> None:
+    """A short prefill and two decoding steps on a full and a compressed cache, untimed, so the first
+    timed cache does not pay for first-call set-up (kernel selection, allocator growth)."""
+    from transformers import DynamicCache
+
+    ids = torch.arange(3, 67, device=model.device)[None]
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nothing was compressed": the warm-up prompt may fit the budget
+        for cache in [DynamicCache(config=model.config), *caches]:
+            token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            for _ in range(2):
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _value(text: str) -> object:
@@ -86,13 +143,13 @@ def run_niah_command(args: argparse.Namespace) -> int:
 
     from kvsieve.cache.kv_cache import KVCache
     from kvsieve.eval.niah import run_niah
-    from kvsieve.models.default_model import load_default_model
+    from kvsieve.models.arguments import check_model_args, load_model_from_args
 
-    dtype = getattr(torch, args.dtype)
-    started = time.perf_counter()
-    model, tokenizer = load_default_model(dtype=dtype)
-    print(f"loaded default model in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    check_model_args(args)
+    started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
+    model, tokenizer = load_model_from_args(args)
 
+    _warm_up(model, [KVCache(model, p) for p in list(built.values())[:1]])
     factories: dict[str, Callable[[], Any]] = {"full": lambda: None}
     for name, policy in built.items():
         factories[name] = lambda p=policy: KVCache(model, p)
@@ -100,20 +157,35 @@ def run_niah_command(args: argparse.Namespace) -> int:
         model, tokenizer, lengths=args.lengths, depths=args.depths, seeds=args.seeds,
         make_cache_fns=factories, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
     )
+    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     rows = summarize(records)
     print(format_table(rows))
+    print(f"EM: exact match; logp: teacher-forced log-likelihood of the pass key (nats, higher is better); "
+          f"speed: decoding tokens/s vs the full cache; {len(args.depths) * len(args.seeds)} samples per row; "
+          f"{wall_s / 60:.1f} min ({cpu_s / 60:.1f} CPU min) with {torch.get_num_threads()} torch threads")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "task": "niah_passkey",
-        "model": "SmolLM2-135M-Instruct",
+        "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
         "dtype": args.dtype,
         "policies": {name: str(policy) for name, policy in built.items()},
         "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
         "torch": torch.__version__, "python": platform.python_version(),
+        "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s, "cpu_s": cpu_s,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "summary": rows,
         "records": [{k: v for k, v in r.items() if k != "generated_ids"} for r in records],
     }
     out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"results: {out}")
+    if not args.no_plot:
+        from kvsieve.eval.niah_plot import plot_niah
+
+        try:
+            figure = plot_niah(rows, out.with_suffix(".png"))
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install 'kvsieve[plots]')", file=sys.stderr)
+        else:
+            print(f"plot: {figure}")
     return 0

@@ -114,7 +114,7 @@ def run_sweep(
     if todo:
         workers = min(config.workers or default_workers(), len(todo))
         job = Job(
-            model=config.model if load_model else None, dtype=config.dtype, cell_fn=cell_fn,
+            model=config.model if load_model else None, dtype=config.dtype, device=config.device, cell_fn=cell_fn,
             threads=config.threads or default_threads(workers), reference_dir=str(out / REFERENCE_DIR),
         )
         if callable(cell_fn):

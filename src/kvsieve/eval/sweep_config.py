@@ -27,13 +27,14 @@ from typing import Any
 import yaml
 
 from kvsieve.eval.model_loader import DEFAULT_MODEL, parse_dtype, validate_model_name
+from kvsieve.models.loading import resolve_device
 
 FULL = "full"
 BACKENDS = ("local", "ray")
 #: Keys a YAML sweep file may hold (dashes or underscores).
 CONFIG_KEYS = (
     "policies", "budgets", "tasks", "lengths", "samples", "seed", "output_dir", "workers", "threads",
-    "backend", "address", "model", "dtype",
+    "backend", "address", "model", "dtype", "device",
 )
 
 
@@ -113,6 +114,7 @@ class SweepConfig:
     address: str | None = None
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
+    device: str = "cpu"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (policies as ``{name, **params}``)."""
@@ -239,5 +241,6 @@ def _check_ranges(config: SweepConfig) -> None:
     try:
         parse_dtype(config.dtype)
         validate_model_name(config.model)
+        resolve_device(config.device)
     except ValueError as err:
         raise SweepConfigError(str(err)) from None

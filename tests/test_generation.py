@@ -1,0 +1,109 @@
+"""Compress once, ask many: each question starts from the same compressed context, alone or in a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.eval.model_loader import load_tiny_llama
+from kvsieve.generation import compress_context
+
+CONTEXT = " ".join(f"Item {i} is stored in box {(7 * i) % 31}." for i in range(60))
+QUESTIONS = ["Which box holds item 12?", "Where is item 3 kept, and why?", "Name a box."]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[tuple[Any, Any]]:
+    yield load_tiny_llama()
+
+
+class ForwardCounter:
+    """Counts the model's forward calls by input length (wraps the instance's ``forward``)."""
+
+    def __init__(self, model: Any) -> None:
+        self.lengths: list[int] = []
+        self._model, self._forward = model, model.forward
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.lengths.append(int(ids.shape[1]))
+            return self._forward(*args, **kwargs)
+
+        model.forward = counted
+
+    def restore(self) -> None:
+        del self._model.forward
+
+
+def _same(a: Any, b: Any) -> None:
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "streaming_llm", "full"])
+def test_answers_do_not_depend_on_order_or_batch_and_context_is_compressed_once(tiny, policy: str) -> None:
+    model, tokenizer = tiny
+    counter = ForwardCounter(model)
+    try:
+        ctx = compress_context(model, tokenizer, CONTEXT, policy, budget=48, chat=False)
+        held = ctx.cache.head_lengths().clone() if policy != "full" else None
+        seen = ctx.cache.get_seq_length()
+        first = [ctx.ask(q, max_new_tokens=5) for q in QUESTIONS]
+        reverse = [ctx.ask(q, max_new_tokens=5) for q in reversed(QUESTIONS)][::-1]
+        batch = ctx.ask_batch(QUESTIONS, max_new_tokens=5)
+    finally:
+        counter.restore()
+    context_tokens = ctx.stats.context_tokens
+    assert counter.lengths.count(context_tokens) == 1 and counter.lengths[0] == context_tokens  # compressed once
+    for a, b, c in zip(first, reverse, batch, strict=True):
+        _same(a, b)
+        _same(a, c)
+    assert len({tuple(a.logprobs) for a in first}) == len(QUESTIONS)  # the questions really differ
+    assert ctx.cache.get_seq_length() == seen  # no question's tokens reached the stored context
+    if held is not None:
+        assert torch.equal(ctx.cache.head_lengths(), held)
+
+
+def test_stats_count_what_the_cache_holds(tiny) -> None:
+    model, tokenizer = tiny
+    full = compress_context(model, tokenizer, CONTEXT, "full", chat=False).stats
+    snap = compress_context(model, tokenizer, CONTEXT, "snapkv", budget=48, chat=False).stats
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert full.entries_held == full.entries_full == full.context_tokens * layers * kv_heads
+    assert full.kv_bytes == full.kv_bytes_full and full.kv_fraction == 1.0
+    assert snap.entries_held == 48 * layers * kv_heads and snap.entries_full == full.entries_full
+    assert snap.kv_bytes == full.kv_bytes * 48 // full.context_tokens
+
+
+def test_bad_input_is_refused_before_any_forward(tiny) -> None:
+    model, tokenizer = tiny
+    counter = ForwardCounter(model)
+    try:
+        with pytest.raises(ValueError, match="unknown policy"):
+            compress_context(model, tokenizer, CONTEXT, "no_such_policy", budget=48)
+        with pytest.raises(ValueError, match="context"):
+            compress_context(model, tokenizer, "  ", "snapkv", budget=48)
+        assert counter.lengths == []
+        ctx = compress_context(model, tokenizer, CONTEXT, "snapkv", budget=48, chat=False)
+        with pytest.raises(ValueError, match="question"):
+            ctx.ask("")
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            ctx.ask("Why?", max_new_tokens=0)
+        with pytest.raises(ValueError, match="questions"):
+            ctx.ask_batch("Why?")
+    finally:
+        counter.restore()
+    assert counter.lengths == [ctx.stats.context_tokens]
+
+
+def test_policy_objects_and_chat_template(tiny) -> None:
+    model, tokenizer = tiny
+    policy = kvsieve.make_policy("snapkv", budget=40)
+    ctx = compress_context(model, tokenizer, CONTEXT, policy)
+    assert ctx.format.chat == bool(tokenizer.chat_template)
+    assert ctx.stats.entries_held == 40 * model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert ctx.ask("Which box holds item 12?", max_new_tokens=2).token_ids
