@@ -54,6 +54,7 @@ from transformers import DynamicCache, StaticCache
 
 import kvsieve
 from kvsieve.parts.allocators import Adaptive, GlobalBudget
+from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
 from kvsieve.parts.base import PolicyConfigError
 
 #: Examples per preset (18 presets); ``KVSIEVE_PROPERTY_EXAMPLES`` overrides it for a longer hunt.
@@ -162,6 +163,8 @@ def layer_target(policy: kvsieve.Policy, cache: kvsieve.KVCache, layer: int, hel
     if policy.budget is None:
         assert policy.ratio is not None
         return ratio_target(held, policy.ratio)
+    if isinstance(policy.allocator, TwoStageSplit):  # RocketKV's stage 1 keeps ⌈N / c^r⌉ of the N held
+        return int(stage1_keep(torch.tensor([held]), policy.budget)[0])
     window = policy.scorer.protected_window() if policy.scorer is not None else 0
     return policy.allocator.layer_budget(policy.budget, layer, cache.info.num_layers, window)
 
@@ -274,6 +277,11 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
             protected = protected_bound(policy)  # kept even above a (pyramid) layer budget
             for layer in managed:
                 bound = max(budgets[layer], protected) + extra
+                if isinstance(policy.allocator, TwoStageSplit):  # stage 1 of at most every token seen
+                    seen = torch.arange(cache.get_seq_length() + 1)
+                    bound = max(int(stage1_keep(seen, policy.budget).max()), protected) + extra
+                if not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry
+                    bound = cache.get_seq_length()
                 assert int(lengths[layer].max()) <= bound, (layer, lengths[layer].tolist(), bound)
         if schedule == "blockwise" and not isinstance(policy.allocator, Adaptive):
             block = policy.schedule.block_length()

@@ -303,6 +303,12 @@ def single_token_row_with_an_empty_layer_budget(policy: kvsieve.Policy, lengths:
     return any(policy.allocator.layer_budget(policy.budget, i, layers, window) == 0 for i in range(layers))
 
 
+def sparse_selector_sized_by_the_longest_row(policy: kvsieve.Policy, lengths: list[int], program: Program) -> bool:
+    from kvsieve.parts.selectors import ExactTopK
+
+    return policy.selector is not None and not isinstance(policy.selector, ExactTopK) and len(set(lengths)) > 1
+
+
 #: Configurations whose rows still depend on the batch, each for a cause outside the allocators, with the
 #: strict-xfail test reproducing it. ``test_properties.py`` skips the row-independence assertion for a
 #: batch matching any of these; delete the entry when its cause is fixed.
@@ -317,6 +323,9 @@ KNOWN_ROW_DEPENDENCE: dict[str, Callable[[kvsieve.Policy, list[int], Program], b
     # token in a padded batch is part of a prompt; it shows where a layer's budget is 0 (pyramid, budget
     # 1–2 without a window: its top layers keep nothing)
     "test_single_token_row_with_an_empty_layer_budget": single_token_row_with_an_empty_layer_budget,
+    # parts/selectors (quest, sparq, hsa, rocketkv): page size, k1 and r are derived from the longest row
+    # (one page size per store), and "t ≥ held → full attention" is decided on the longest row
+    "test_sparse_selector_configuration_follows_the_longest_row": sparse_selector_sized_by_the_longest_row,
 }
 
 
@@ -540,3 +549,12 @@ def test_single_token_row_with_an_empty_layer_budget():
     # alone (its prompt is a single-query forward, never compacted) and loses it in the batch
     assert _differs(model, rows, "h2o", {"budget": 1, "allocator": "pyramid", "recent_ratio": 0.0}, Program(), 0) \
         == "same"
+
+
+@pytest.mark.xfail(strict=True, reason="parts/selectors: one page size / k1 / r per store, from the longest row")
+def test_sparse_selector_configuration_follows_the_longest_row():
+    model = get_model("llama", "kv")
+    rows = [prompt(length=n, seed=10 + n)[0] for n in (11, 37)]
+    # alone, the 11-token row holds ≤ t = 16 entries and gets full attention; in the batch the 37-token row
+    # sets the configuration and the short row attends to t/2 of its entries
+    assert _differs(model, rows, "hsa", {"budget": 16}, Program([("decode", 5), ("decode", 6)]), 0) == "same"

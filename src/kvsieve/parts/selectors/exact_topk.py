@@ -15,7 +15,7 @@ from kvsieve.cache.store import StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_int
 from kvsieve.parts.selectors.base import Selector
-from kvsieve.parts.selectors.sparse import SelectionState, kv_entry_bytes, state_of
+from kvsieve.parts.selectors.sparse import SelectionState, kv_entry_bytes, record_if_measured
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,11 @@ class ExactTopK(Selector):
         store = step.store
         entry = kv_entry_bytes(store)
         if self.k >= view.length:
-            state_of(store).record(store, store.total_entries() * entry)
+            record_if_measured(store, store.total_entries() * entry)
             return None
         # traffic: every held key (to rank them) plus the values of the k chosen per query head
         value_reads = step.query.shape[0] * step.query.shape[1] * self.k * store.values.element_size() * store.head_dim
-        state_of(store).record(store, store.total_entries() * store.keys.element_size() * store.head_dim + value_reads)
+        record_if_measured(store, store.total_entries() * store.keys.element_size() * store.head_dim + value_reads)
         batch, q_heads, _, dim = step.query.shape
         kv_heads = view.keys.shape[1]
         grouped = step.query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float()

@@ -58,6 +58,14 @@ def state_of(store: LayerStore) -> SelectionState:
     raise RuntimeError("the store has no SelectionState hook (the selector's hooks() were not installed)")
 
 
+def record_if_measured(store: LayerStore, read: int | torch.Tensor) -> None:
+    """Add ``read`` bytes to the store's :class:`SelectionState` if it has one (a bare store has none)."""
+    for hook in store.hooks:
+        if isinstance(hook, SelectionState):
+            hook.record(store, read)
+            return
+
+
 def hook_of(store: LayerStore, kind: type[StoreHook]) -> StoreHook:
     for hook in store.hooks:
         if type(hook) is kind:
