@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve import KVCache
+from kvsieve import KVCache, prefill_shared
 from kvsieve.eval.evaluate import evaluate_cells
 from kvsieve.eval.tasks import get_task
 from kvsieve.gates.pretrained import PRETRAINED_DIR
@@ -66,15 +66,16 @@ def main() -> None:
                 with records_path.open("a") as f:
                     for r in records:
                         f.write(json.dumps(r) + "\n")
-                if "dbtrimkv" in policies:
+                learned = [p for p in ("dbtrimkv", "dbtrimkv_untied") if p in policies]
+                if learned and index == 0:  # where the global budget goes: one shared prompt forward
                     sample = get_task(task).make_sample(tokenizer, length, index, args.seed)
-                    for budget in budgets:
-                        for policy in [p for p in ("dbtrimkv", "dbtrimkv_untied") if p in policies]:
-                            cache = KVCache(model, policy, budget=budget)
-                            with torch.inference_mode():
-                                model(torch.tensor([sample.prompt_ids]), past_key_values=cache, logits_to_keep=1)
-                            allocation.append({"task": task, "length": length, "sample": index, "policy": policy,
-                                               "budget": budget, "lengths": cache.head_lengths()[:, 0].tolist()})
+                    caches = [(p, b, KVCache(model, p, budget=b)) for p in learned for b in budgets]
+                    with torch.inference_mode():
+                        prefill_shared(model, torch.tensor([sample.prompt_ids]), [c for *_, c in caches],
+                                       logits_to_keep=1)
+                    for policy, budget, cache in caches:
+                        allocation.append({"task": task, "length": length, "sample": index, "policy": policy,
+                                           "budget": budget, "lengths": cache.head_lengths()[:, 0].tolist()})
                     alloc_path.write_text(json.dumps(allocation) + "\n")
                 scores = {f"{r['policy']}@{r['budget']}": r["score"] for r in records}
                 print(f"{task} {length} #{index}: {time.monotonic() - t0:.0f}s {scores}", flush=True)
