@@ -111,3 +111,28 @@ def kvsieve_warnings() -> Iterator[list[str]]:
         messages: list[str] = []
         yield messages
     messages.extend(str(w.message) for w in caught if "kvsieve" in str(w.message))
+
+
+def random_gates(model: torch.nn.Module, tied: bool = True, seed: int = 0):
+    """Random retention gates for a tiny model (no shipped gate fits it): β well inside (0, 1) and varied,
+    so a trimkv/dbtrimkv ranking is non-trivial and free of ties."""
+    from kvsieve.gates import GateConfig, RetentionGates
+
+    gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=tied), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        gates.w_in.copy_(torch.randn(gates.w_in.shape, generator=gen))
+        gates.w_out.copy_(torch.randn(gates.w_out.shape, generator=gen))
+        gates.b_out.fill_(1.0)
+    return gates.requires_grad_(False)
+
+
+def with_test_gates(model: torch.nn.Module, policy, params: dict) -> dict:
+    """``params`` plus random gates when ``policy`` names a learned-retention preset without ``gates=``."""
+    from kvsieve.parts.scorers.retention import RetentionGate
+    from kvsieve.policies.presets import PRESETS
+
+    preset = PRESETS.get(policy) if isinstance(policy, str) else None
+    if preset is None or preset.scorer is not RetentionGate or "gates" in params:
+        return params
+    return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv")}

@@ -258,7 +258,9 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
             extra = 0 if multi and not one_query else buffer
         heads = lengths.shape[2]
         budgets = {layer: layer_target(policy, cache, layer, 0) for layer in managed}
-        if isinstance(policy.allocator, GlobalBudget):
+        if not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry, whatever the allocator
+            assert int(lengths[managed].max()) <= cache.get_seq_length(), lengths.tolist()
+        elif isinstance(policy.allocator, GlobalBudget):
             total = sum(heads * budgets[layer] for layer in managed)
             held = lengths[managed].sum(dim=(0, 2))
             allowance = heads * buffer if schedule == "decode" else heads * len(managed) * slack["steps"]
@@ -280,8 +282,6 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
                 if isinstance(policy.allocator, TwoStageSplit):  # stage 1 of at most every token seen
                     seen = torch.arange(cache.get_seq_length() + 1)
                     bound = max(int(stage1_keep(seen, policy.budget).max()), protected) + extra
-                if not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry
-                    bound = cache.get_seq_length()
                 assert int(lengths[layer].max()) <= bound, (layer, lengths[layer].tolist(), bound)
         if schedule == "blockwise" and not isinstance(policy.allocator, Adaptive):
             block = policy.schedule.block_length()

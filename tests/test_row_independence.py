@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import get_model
-from helpers import left_pad, prompt
+from helpers import left_pad, prompt, with_test_gates
 
 import kvsieve
 from kvsieve.parts.actions.base import Action
@@ -136,7 +136,7 @@ def run_rows(
         ids, mask, pads = rows[0][None], None, [0]
     else:
         ids, mask, pads = left_pad(rows)
-    cache = kvsieve.KVCache(model, policy, **params)
+    cache = kvsieve.KVCache(model, policy, **with_test_gates(model, policy, params))
     logits, lengths, seen = [], [], []
     with torch.no_grad(), warnings.catch_warnings(), recording_plans() as events:
         warnings.simplefilter("ignore")  # "nothing was compressed" for rows below the budget

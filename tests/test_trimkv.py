@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import build_model
-from helpers import prompt
+from helpers import prompt, random_gates
 from transformers import DynamicCache
 
 import kvsieve
@@ -19,14 +19,9 @@ from kvsieve.train.student import GateContext, student_mode
 
 def _gates(model: torch.nn.Module, tied: bool = True, spread: bool = True, seed: int = 0) -> RetentionGates:
     """Random gates; ``spread``: β well inside (0, 1) and varied, so rankings are non-trivial."""
-    gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=tied), seed=seed)
     if spread:
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            gates.w_in.copy_(torch.randn(gates.w_in.shape, generator=gen))
-            gates.w_out.copy_(torch.randn(gates.w_out.shape, generator=gen))
-            gates.b_out.fill_(1.0)
-    return gates.requires_grad_(False)
+        return random_gates(model, tied=tied, seed=seed)
+    return RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=tied), seed=seed).requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------- gates and files
