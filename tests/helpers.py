@@ -121,8 +121,10 @@ def random_gates(model: torch.nn.Module, tied: bool = True, seed: int = 0):
     gates = RetentionGates(GateConfig.for_model(model, gate_hidden=8, tied=tied), seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        gates.w_in.copy_(torch.randn(gates.w_in.shape, generator=gen))
-        gates.w_out.copy_(torch.randn(gates.w_out.shape, generator=gen))
+        # scaled so the gate logits are O(1): β spread over (0, 1) instead of saturating at 1, where every
+        # entry's score is log(lookahead) and rankings are ties
+        gates.w_in.copy_(torch.randn(gates.w_in.shape, generator=gen) / gates.w_in.shape[-2] ** 0.5)
+        gates.w_out.copy_(torch.randn(gates.w_out.shape, generator=gen) / gates.w_out.shape[-1] ** 0.5)
         gates.b_out.fill_(1.0)
     return gates.requires_grad_(False)
 
@@ -135,4 +137,4 @@ def with_test_gates(model: torch.nn.Module, policy, params: dict) -> dict:
     preset = PRESETS.get(policy) if isinstance(policy, str) else None
     if preset is None or preset.scorer is not RetentionGate or "gates" in params:
         return params
-    return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv")}
+    return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv", seed=0)}

@@ -106,7 +106,9 @@ def policies(draw: st.DrawFn, name: str) -> tuple[str, dict[str, Any], kvsieve.P
     if "pooling" in accepted and draw(st.booleans()):
         params["pooling"] = draw(st.sampled_from(["avgpool", "maxpool"]))
         params["kernel_size"] = draw(st.sampled_from([1, 3, 5, 7]))
-    if "floor" in accepted:
+    if "floor" in accepted and isinstance(preset.allocator, type) and issubclass(preset.allocator, GlobalBudget):
+        params["floor"] = draw(st.integers(0, 2))  # entries per head before the global ranking
+    elif "floor" in accepted:
         params["floor"] = draw(st.sampled_from(["outside_window", "budget"]))
         params["floor_alpha"] = draw(st.sampled_from([0.0, 0.2, 0.5, 1.0]))
     if "heads" in accepted:
