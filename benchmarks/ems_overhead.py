@@ -50,11 +50,14 @@ GOAL_DECODE = 1.10
 PREFILL_POLICIES = ("snapkv", "ems", "ems_pos")
 DECODE_POLICIES: dict[str, dict[str, Any]] = {
     "snapkv": {}, "ems": {}, "ems_pos": {}, "h2o_decode": {"schedule": "decode"},
+    # the paper compresses at every step; an amortised variant: evict-then-merge every 32 steps (heads hold
+    # at most budget + 32), as the engine's Decode(buffer) schedule does for h2o
+    "ems_buffer32": {"buffer": 32},
 }
 
 
 def policy_of(name: str) -> str:
-    return name.removesuffix("_decode")
+    return name.removesuffix("_decode").removesuffix("_buffer32")
 
 
 def measure_prefill(model: torch.nn.Module, ids: torch.Tensor, budget: int, repeats: int) -> dict[str, Any]:

@@ -265,7 +265,7 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
         elif isinstance(policy.allocator, GlobalBudget):
             total = sum(heads * budgets[layer] for layer in managed)
             held = lengths[managed].sum(dim=(0, 2))
-            allowance = heads * buffer if schedule == "decode" else heads * len(managed) * slack["steps"]
+            allowance = heads * len(managed) * (buffer if schedule == "decode" else slack["steps"])
             assert bool((held <= total + allowance).all()), (held.tolist(), total)
         elif isinstance(policy.allocator, Adaptive):
             for layer in managed:

@@ -354,3 +354,10 @@ def test_the_no_compression_warning_speaks_of_the_forward(model):
         model(prompt(length=12), past_key_values=cache)
     messages = [str(w.message) for w in caught if "kvsieve" in str(w.message)]
     assert len(messages) == 1 and "in this prompt forward" in messages[0] and "keeps every entry" not in messages[0]
+
+
+def test_global_floor_above_budget_is_refused_before_any_work():
+    """A per-head floor above the per-head budget would make the global total exceed L·H·budget."""
+    with pytest.raises(PolicyConfigError, match=r"floor \(3\) must not exceed budget \(2\)"):
+        kvsieve.make_policy("snapkv", budget=2, window=0, allocator="global", floor=3)
+    kvsieve.make_policy("snapkv", budget=2, window=0, allocator="global", floor=2)  # equal is allowed

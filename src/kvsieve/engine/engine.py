@@ -402,7 +402,9 @@ class Engine:
         for other in (self.layers[i].store for i in self.managed):
             if other is not None and other is not step.store:
                 total = total + other.lengths().sum(dim=1)
-        return self.policy.schedule.fires_total(True, int(total.max()), (total_budget or 0) * heads, heads)
+        # the slack (``buffer`` per head) counts every head of every managed layer, as the budget does
+        managed_heads = heads * len(self.managed)
+        return self.policy.schedule.fires_total(True, int(total.max()), (total_budget or 0) * heads, managed_heads)
 
     def _act_global(self) -> None:
         pending, self._pending = self._pending, []

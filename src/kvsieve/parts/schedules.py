@@ -41,7 +41,8 @@ class Schedule(Part):
         return not decoding
 
     def fires_total(self, decoding: bool, total: int, total_budget: int | None, heads: int) -> bool:
-        """The same question for a global budget: ``total`` entries held by a batch row in all heads."""
+        """The same question for a global budget: ``total`` entries held by a batch row in all heads, against
+        ``total_budget`` plus ``buffer`` for each of the ``heads`` heads (of every managed layer)."""
         return not decoding
 
     def row_limit(self, decoding: bool, budget: int | None) -> int | None:

@@ -13,13 +13,16 @@ layers (learned retention, normalised attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvsieve.budgets.adaptive import adaptive_counts
 from kvsieve.parts.allocators.base import Allocator
-from kvsieve.parts.base import require_int
+from kvsieve.parts.base import PolicyConfigError, require_int
+
+if TYPE_CHECKING:
+    from kvsieve.policies.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class GlobalBudget(Allocator):
 
     def validate(self) -> None:
         require_int(self.name, "floor", self.floor, 0)
+
+    def check(self, policy: Policy) -> None:
+        if policy.budget is not None and self.floor > policy.budget:
+            raise PolicyConfigError(f"{policy.name}: floor ({self.floor}) must not exceed budget ({policy.budget}): "
+                                    "every head's floor comes out of the global budget")
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.allocate_global([scores], [nominal], [lengths])[0]
