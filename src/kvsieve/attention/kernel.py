@@ -25,6 +25,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 QUERY_BLOCK = 256
 
 
+def any_along(mask: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """``mask.any(dim)`` for a bool mask, as a byte ``amax`` (on CPU, ``torch.any`` over an axis of a large
+    bool tensor is ~50× slower than the same reduction on its bytes)."""
+    return mask.view(torch.uint8).amax(dim=dim, keepdim=keepdim).bool()
+
+
+def all_along(mask: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """``mask.all(dim)`` for a bool mask, as a byte ``amin`` (see :func:`any_along`)."""
+    return mask.view(torch.uint8).amin(dim=dim, keepdim=keepdim).bool()
+
+
 def visibility_mask(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
@@ -75,7 +86,7 @@ def output_mask(
             mask = torch.where(mask, bias.unsqueeze(-2).to(dtype), torch.tensor(float("-inf"), dtype=dtype))
         return mask.repeat_interleave(groups, dim=1)
     mask = visibility_mask(query_positions(), key_positions(), key_valid, sliding_window)
-    empty_row = ~mask.any(dim=-1, keepdim=True)
+    empty_row = ~any_along(mask, -1, keepdim=True)
     fallback = empty_row if key_valid is None else empty_row & key_valid.unsqueeze(-2)
     mask = mask | fallback
     if bias is not None:
@@ -161,20 +172,23 @@ def attention_logits(
 def attention_rows(
     query: torch.Tensor,
     keys: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention ``(batch, q_heads, q, n)`` in float32 of ``query`` over ``keys``.
 
-    ``mask`` (broadcastable to ``(batch, kv_heads, q, n)``) comes from :func:`visibility_mask`.
-    Rows with no visible key (padding queries) are all zero.
+    ``mask`` (broadcastable to ``(batch, kv_heads, q, n)``) comes from :func:`visibility_mask`; None: every
+    key is visible (a decoding query over a cache without padding). Rows with no visible key (padding
+    queries) are all zero.
     """
     batch, q_heads, q_len, _ = query.shape
     logits = attention_logits(query, keys, scaling, bias)
-    logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    if mask is not None:
+        logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if not bool(mask.any(dim=-1).all()):  # a row with no visible key is NaN after softmax
+    if mask is not None and not bool(all_along(any_along(mask, -1).flatten(), 0)):
+        # a row with no visible key is NaN after softmax
         probs = torch.nan_to_num(probs, nan=0.0)
     return probs.view(batch, q_heads, q_len, keys.shape[2])
 
@@ -191,20 +205,34 @@ def column_sums(
 
     ``query_weight`` ``(batch, q)`` zeroes padding queries (None: all weigh 1). Each block of queries
     only reads the keys up to the last one any of its queries can see (under a causal prefill, about
-    half the work); the keys past it would only add exact zeros.
+    half the work); the keys past it would only add exact zeros. Only the columns that some query of
+    the block cannot see are masked (under a causal prefill, the block's own diagonal square), which
+    gives the same softmax as masking every column.
     """
-    q_len = query.shape[2]
-    total = torch.zeros(query.shape[0], query.shape[1], keys.shape[2], dtype=torch.float32, device=query.device)
+    batch, q_heads, q_len, _ = query.shape
+    total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
     for lo in range(0, q_len, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q_len)
         block_mask = mask[:, :, lo:hi]
-        seen = block_mask.flatten(0, -2).any(dim=0).nonzero()
-        if seen.numel() == 0:
+        columns = block_mask.flatten(0, -2)
+        seen = any_along(columns, 0)
+        # one host read per block: the last visible column and the first column some query cannot see
+        bounds = torch.stack([
+            torch.where(seen, torch.arange(seen.shape[0], device=seen.device), -1).max(),
+            torch.where(all_along(columns, 0), seen.shape[0], torch.arange(seen.shape[0], device=seen.device)).min(),
+        ]).tolist()
+        limit, first_hidden = bounds[0] + 1, bounds[1]
+        if limit == 0:
             continue
-        limit = int(seen[-1]) + 1
         block_bias = None if bias is None else bias[..., :limit]
-        rows = attention_rows(query[:, :, lo:hi], keys[:, :, :limit], block_mask[..., :limit], scaling, block_bias)
+        logits = attention_logits(query[:, :, lo:hi], keys[:, :, :limit], scaling, block_bias)
+        if first_hidden < limit:
+            hidden = ~block_mask[..., first_hidden:limit].unsqueeze(2)
+            logits[..., first_hidden:limit].masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if first_hidden < limit and not bool(all_along(any_along(block_mask[..., :limit], -1).flatten(), 0)):
+            probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
         if query_weight is not None:
-            rows = rows * query_weight[:, None, lo:hi, None].to(rows.dtype)
-        total[..., :limit] += rows.sum(dim=2)
+            probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
+        total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)
     return total

@@ -120,8 +120,13 @@ class LayerStep:
         w = min(window, self.q_len)
         key = ("rows", w)
         if key not in self._memo:
-            positions = self.query_positions[-w:]
-            mask = visibility_mask(positions, self.view.positions, self.view.valid, self.sliding_window)
+            mask: torch.Tensor | None
+            if self.is_decoding and self.sliding_window is None:
+                # the newest query sees every held entry (as the engine's output mask): validity is visibility
+                mask = None if self.view.valid is None else self.view.valid.unsqueeze(-2)
+            else:
+                positions = self.query_positions[-w:]
+                mask = visibility_mask(positions, self.view.positions, self.view.valid, self.sliding_window)
             rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.scaling, self.bias())
             if self.query_valid is not None:
                 rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)

@@ -60,64 +60,87 @@ class Merge(Action):
         if not plan.merges:
             store.keep(plan.keep, plan.counts)
             return
-        merged = merge_kept(store, plan)
+        merged = merge_kept(store, plan)  # reads the receiving entries before the compaction moves them
         store.keep(plan.keep, plan.counts)
-        new_start = torch.cumsum(plan.counts, 0) - plan.counts
-        width = plan.keep.shape[1]
-        valid = torch.arange(width)[None, :] < plan.counts[:, None]
-        rows = (new_start[:, None] + torch.arange(width)[None, :])[valid].to(store.device)
-        keys, values, counts = merged
-        store.write_rows(rows, keys[valid.to(keys.device)], values[valid.to(keys.device)],
-                         {MERGE_COUNT: counts[valid.to(keys.device)]})
+        new_start = (torch.cumsum(plan.counts, 0) - plan.counts).to(store.device)
+        rows = new_start[merged.segments] + merged.ranks
+        store.write_rows(rows, merged.keys, merged.values, {MERGE_COUNT: merged.counts})
 
 
-def merge_kept(store: LayerStore, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merged keys, values ``(segments, K, d)`` and counts ``(segments, K)`` of the kept entries (float32)."""
+@dataclass
+class MergedRows:
+    """The receiving entries of a plan's merges, one row per merged (source) entry — a receiving entry
+    that takes ``m`` entries appears ``m`` times with the same result (index writes of equal values).
+
+    Attributes:
+        segments: ``(M,)`` segment of each row; ``ranks``: ``(M,)`` its rank in the plan's ``keep``.
+        keys, values: ``(M, d)`` merged key (rotated as stored) and value, float32.
+        counts: ``(M,)`` tokens the receiving entry stands for after the merge.
+    """
+
+    segments: torch.Tensor
+    ranks: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    counts: torch.Tensor
+
+
+def merge_kept(store: LayerStore, plan: Plan) -> MergedRows:
+    """Merge each planned source into its receiving kept entry; only the receiving entries are computed.
+
+    Per receiving entry ``c`` with own weight ``w_c`` and sources ``i`` (weights ``w_i``): key
+    ``normalize(w_c k̂_c + Σ w_i k̂_i) · (w_c‖k_c‖ + Σ w_i‖k_i‖)/(w_c + Σ w_i)`` (``k̂`` unit, raw space
+    for a :class:`RawKeyPlan`), value ``(w_c v_c + Σ w_i v_i)/(w_c + Σ w_i)``, count ``n_c + Σ n_i``.
+    Entries that receive nothing are not read or rewritten (their bits stay), so the cost scales with the
+    merges, not with the budget: at a decoding step that merges one entry per head, a few rows.
+    """
     assert plan.merge_source is not None and plan.merge_target is not None and plan.merge_weight is not None
     device = store.keys.device
     segs, width = plan.keep.shape
     start = store.start.to(device)
-    keep_rows = (start[:, None] + plan.keep.to(device).clamp(max=max(store.keys.shape[0] - 1, 0)))
     rotary: RotaryTable | None = getattr(plan, "rotary", None)
-    keys = store.keys[keep_rows].float()
-    if rotary is not None:
-        stored_keys, keep_positions = keys, store.positions[keep_rows]
-        keys = unrotate(keys, keep_positions, rotary)
-    values = store.values[keep_rows].float()
-    counts = store.extras[MERGE_COUNT][keep_rows].float() if MERGE_COUNT in store.extras else torch.ones(
-        segs, width, device=device)
-    own = plan.keep_weight.to(device).float() if plan.keep_weight is not None else counts.clone()
-    norms = keys.norm(dim=-1, keepdim=True)
-    direction_sum = own[..., None] * keys / norms.clamp(min=EPS)
-    norm_sum = own[..., None] * norms
-    value_sum = own[..., None] * values
-    weight_sum = own.clone()
-    count_sum = counts.clone()
     source = plan.merge_source.to(device)
     active = source >= 0
-    if bool(active.any()):
-        seg_of = torch.arange(segs, device=device)[:, None].expand_as(source)[active]
-        src_rows = start[seg_of] + source[active]
-        slot = seg_of * width + plan.merge_target.to(device)[active]
-        w = plan.merge_weight.to(device).float()[active]
-        src_keys = store.keys[src_rows].float()
-        if rotary is not None:
-            src_keys = unrotate(src_keys, store.positions[src_rows], rotary)
-        src_norms = src_keys.norm(dim=-1, keepdim=True)
-        src_counts = store.extras[MERGE_COUNT][src_rows].float() if MERGE_COUNT in store.extras else torch.ones_like(w)
-        d = keys.shape[-1]
-        direction_sum.view(-1, d).index_add_(0, slot, w[:, None] * src_keys / src_norms.clamp(min=EPS))
-        norm_sum.view(-1, 1).index_add_(0, slot, w[:, None] * src_norms)
-        value_sum.view(-1, d).index_add_(0, slot, w[:, None] * store.values[src_rows].float())
-        weight_sum.view(-1).index_add_(0, slot, w)
-        count_sum.view(-1).index_add_(0, slot, src_counts)
-    total = weight_sum.clamp(min=EPS)[..., None]
-    direction = direction_sum / direction_sum.norm(dim=-1, keepdim=True).clamp(min=EPS)
-    merged_keys = direction * (norm_sum / total)
-    merged_values = value_sum / total
+    seg_of = torch.arange(segs, device=device)[:, None].expand_as(source)[active]
+    rank = plan.merge_target.to(device)[active]
+    w = plan.merge_weight.to(device).float()[active]
+    n = seg_of.shape[0]
+    slot = seg_of * width + rank
+    # each receiving entry's own contribution is added once: at the first source row naming its slot
+    first = torch.full((segs * width,), n, dtype=torch.long, device=device)
+    first.scatter_reduce_(0, slot, torch.arange(n, device=device), reduce="amin")
+    once = (first[slot] == torch.arange(n, device=device)).float()
+
+    def read(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        stored = store.keys[rows].float()
+        keys = unrotate(stored, store.positions[rows], rotary) if rotary is not None else stored
+        counts = store.extras[MERGE_COUNT][rows].float() if MERGE_COUNT in store.extras else torch.ones(
+            rows.shape[0], device=device)
+        return stored, keys, store.values[rows].float(), counts
+
+    centre_rows = start[seg_of] + plan.keep.to(device)[seg_of, rank]
+    centre_stored, centre_keys, centre_values, centre_counts = read(centre_rows)
+    own = plan.keep_weight.to(device).float()[seg_of, rank] if plan.keep_weight is not None else centre_counts
+    _, src_keys, src_values, src_counts = read(start[seg_of] + source[active])
+    centre_norms = centre_keys.norm(dim=-1, keepdim=True)
+    src_norms = src_keys.norm(dim=-1, keepdim=True)
+    c = (own * once)[:, None]
+    wi = w[:, None]
+
+    def per_slot(terms: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(segs * width, terms.shape[-1], device=device, dtype=terms.dtype)
+        return total.index_add_(0, slot, terms)[slot]
+
+    direction = per_slot(c * centre_keys / centre_norms.clamp(min=EPS) + wi * src_keys / src_norms.clamp(min=EPS))
+    sums = per_slot(torch.cat([c * centre_norms + wi * src_norms, c + wi,
+                               (centre_counts * once + src_counts)[:, None]], dim=-1))
+    norm_sum, weight_sum, count_sum = sums.unbind(-1)
+    total = weight_sum.clamp(min=EPS)[:, None]
+    keys = direction / direction.norm(dim=-1, keepdim=True).clamp(min=EPS) * (norm_sum[:, None] / total)
+    values = per_slot(c * centre_values + wi * src_values) / total
     if rotary is not None:
-        merged_keys, keys = rotate(merged_keys, keep_positions, rotary), stored_keys
-    untouched = (weight_sum == own)[..., None]  # nothing merged in: keep the exact original bits
-    merged_keys = torch.where(untouched, keys, merged_keys)
-    merged_values = torch.where(untouched, values, merged_values)
-    return merged_keys, merged_values, count_sum
+        keys = rotate(keys, store.positions[centre_rows], rotary)
+    untouched = (weight_sum == own)[:, None]  # merged weights below the float resolution: keep the exact bits
+    keys = torch.where(untouched, centre_stored, keys)
+    values = torch.where(untouched, centre_values, values)
+    return MergedRows(seg_of, rank, keys, values, count_sum)
