@@ -196,13 +196,15 @@ def attention_rows(
 def column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor],
     scaling: float,
     query_weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Σ_t w_t · A[t, j]`` over all queries ``t``, shape ``(batch, q_heads, n)``, computed blockwise.
 
+    ``mask`` is the visibility ``(batch, kv_heads, q, n)``, or a function ``(lo, hi)`` → the mask of queries
+    ``lo … hi − 1`` (so the whole ``q × n`` mask is never built).
     ``query_weight`` ``(batch, q)`` zeroes padding queries (None: all weigh 1). Each block of queries
     only reads the keys up to the last one any of its queries can see (under a causal prefill, about
     half the work); the keys past it would only add exact zeros. Only the columns that some query of
@@ -213,7 +215,7 @@ def column_sums(
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
     for lo in range(0, q_len, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q_len)
-        block_mask = mask[:, :, lo:hi]
+        block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
         columns = block_mask.flatten(0, -2)
         seen = any_along(columns, 0)
         # one host read per block: the last visible column and the first column some query cannot see

@@ -159,11 +159,13 @@ class LayerStep:
             if self.q_len == 1:
                 self._memo["colsum"] = self.window_rows_unchecked(1)[:, :, 0]
             else:
-                mask = visibility_mask(
-                    self.query_positions, self.view.positions, self.view.valid, self.sliding_window
-                )
+                positions, view = self.query_positions, self.view
+
+                def block_mask(lo: int, hi: int) -> torch.Tensor:
+                    return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
+
                 self._memo["colsum"] = column_sums(
-                    self.query, self.view.keys, mask, self.scaling, self.query_valid, self.bias()
+                    self.query, view.keys, block_mask, self.scaling, self.query_valid, self.bias()
                 )
         return self._memo["colsum"]
 
