@@ -1,0 +1,90 @@
+"""The kernel's attention statistics (``column_sums``, ``attention_rows``) against a dense softmax reference.
+
+``column_sums`` works in blocks of ``QUERY_BLOCK`` queries, reads only the keys up to the last visible
+one and masks only the columns some query of the block cannot see: these tests cover several blocks,
+padding (queries that see nothing), sliding windows and arbitrary masks, given whole or per block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsieve.attention.kernel import QUERY_BLOCK, all_along, any_along, attention_rows, column_sums, visibility_mask
+
+BATCH, Q_HEADS, KV_HEADS, D = 2, 6, 2, 8
+GROUPS = Q_HEADS // KV_HEADS
+SCALE = D**-0.5
+
+
+def dense_rows(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Softmax rows ``(batch, q_heads, q, n)`` in float64; rows that see nothing are zero."""
+    logits = query.double() @ keys.double().repeat_interleave(GROUPS, dim=1).transpose(-1, -2) * SCALE
+    if bias is not None:
+        logits = logits + bias.double().repeat_interleave(GROUPS, dim=1)[:, :, None, :]
+    full_mask = mask.repeat_interleave(GROUPS, dim=1) if mask.shape[1] == KV_HEADS else mask
+    probs = torch.softmax(logits.masked_fill(~full_mask, float("-inf")), dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def case(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(BATCH, Q_HEADS, n, D, generator=generator)
+    keys = torch.randn(BATCH, KV_HEADS, n, D, generator=generator)
+    positions = torch.arange(n)
+    key_positions = positions.view(1, 1, n).expand(BATCH, KV_HEADS, n)
+    valid = None
+    window = None
+    if kind == "padded":  # row 0 left-padded by 37 entries: its first 37 queries see nothing
+        valid = torch.ones(BATCH, KV_HEADS, n, dtype=torch.bool)
+        valid[0, :, :37] = False
+    if kind == "window":
+        window = 100
+    mask = visibility_mask(positions, key_positions, valid, window)
+    if kind == "random":
+        mask = torch.rand(BATCH, KV_HEADS, n, n, generator=generator) > 0.4
+    bias = torch.rand(BATCH, KV_HEADS, n, generator=generator) * 2.0 if kind == "bias" else None
+    return query, keys, mask, bias
+
+
+@pytest.mark.parametrize("kind", ["causal", "padded", "window", "random", "bias"])
+@pytest.mark.parametrize("per_block", [False, True])
+def test_column_sums_equal_dense_reference_over_several_blocks(kind, per_block):
+    n = 2 * QUERY_BLOCK + 77
+    query, keys, mask, bias = case(kind, n, seed=len(kind))
+    weight = torch.ones(BATCH, n)
+    weight[1, 5:9] = 0.0  # weighted-out queries add nothing
+    expected = (dense_rows(query, keys, mask, bias) * weight[:, None, :, None].double()).sum(dim=2)
+    given = (lambda lo, hi: mask[:, :, lo:hi]) if per_block else mask
+    got = column_sums(query, keys, given, SCALE, weight, bias)
+    assert got.shape == (BATCH, Q_HEADS, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
+    assert not torch.isnan(got).any()
+
+
+def test_column_sums_of_a_causal_prefill_count_every_query_once():
+    n = QUERY_BLOCK + 40
+    query, keys, mask, _ = case("causal", n, seed=3)
+    total = column_sums(query, keys, mask, SCALE).sum(dim=-1)
+    torch.testing.assert_close(total, torch.full((BATCH, Q_HEADS), float(n)), atol=1e-3, rtol=0)
+
+
+def test_attention_rows_without_a_mask_is_the_plain_softmax():
+    query, keys, mask, bias = case("bias", 30, seed=5)
+    last = query[:, :, -1:]
+    expected = dense_rows(last, keys, torch.ones(BATCH, KV_HEADS, 1, 30, dtype=torch.bool), bias)
+    got = attention_rows(last, keys, None, SCALE, bias)
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, attention_rows(last, keys, mask[:, :, -1:], SCALE, bias))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_reductions_equal_torch_any_all(seed):
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(3, 5, 7, generator=generator) > (0.1 + 0.25 * seed)
+    strided = mask.transpose(0, 2)  # non-contiguous input
+    for tensor in (mask, strided):
+        for dim in range(tensor.dim()):
+            assert torch.equal(any_along(tensor, dim), tensor.any(dim=dim))
+            assert torch.equal(all_along(tensor, dim), tensor.all(dim=dim))
+            assert torch.equal(any_along(tensor, dim, keepdim=True), tensor.any(dim=dim, keepdim=True))
