@@ -27,22 +27,26 @@ def main() -> None:
     caches = {
         "logbeta_dbtrimkv": kvsieve.KVCache(model, "dbtrimkv", budget=4096),
         "logbeta_trimkv": kvsieve.KVCache(model, "trimkv", budget=4096),
+        "logbeta_dbtrimkv_untied": kvsieve.KVCache(model, "dbtrimkv_untied", budget=4096),
         "dbtrimkv@64": kvsieve.KVCache(model, "dbtrimkv", budget=64, schedule="prefill"),
         "dbtrimkv@256": kvsieve.KVCache(model, "dbtrimkv", budget=256, schedule="prefill"),
         "trimkv@256": kvsieve.KVCache(model, "trimkv", budget=256, schedule="prefill"),
+        "dbtrimkv_untied@64": kvsieve.KVCache(model, "dbtrimkv_untied", budget=64, schedule="prefill"),
+        "dbtrimkv_untied@256": kvsieve.KVCache(model, "dbtrimkv_untied", budget=256, schedule="prefill"),
         "snapkv@256": kvsieve.KVCache(model, "snapkv", budget=256),
     }
     with torch.inference_mode():
         kvsieve.prefill_shared(model, torch.tensor([ids]), list(caches.values()), logits_to_keep=1)
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    for name in ("logbeta_dbtrimkv", "logbeta_trimkv"):
+    for name in ("logbeta_dbtrimkv", "logbeta_trimkv", "logbeta_dbtrimkv_untied"):
         stores = [caches[name].layers[layer].store for layer in range(layers)]
         lbs = torch.stack([store.dense().extras["log_beta"][0] for store in stores])  # (layers, heads, N)
         print(name, "mean log β: needle", float(lbs[:, :, needle].mean()), "other", float(lbs[:, :, ~needle].mean()),
               "last 40", float(lbs[:, :, -40:].mean()), "first 4", float(lbs[:, :, :4].mean()))
         top = lbs.mean(dim=(0, 1)).argsort(descending=True)[:20]
         print("  20 tokens with the highest mean β:", repr(tok.decode([ids[i] for i in sorted(top.tolist())])))
-    for name in ("dbtrimkv@64", "dbtrimkv@256", "trimkv@256", "snapkv@256"):
+    for name in ("dbtrimkv@64", "dbtrimkv@256", "trimkv@256", "dbtrimkv_untied@64", "dbtrimkv_untied@256",
+                 "snapkv@256"):
         cache = caches[name]
         kept = [cache.kept_positions(layer, 0, head) for layer in range(layers) for head in range(heads)]
         needle_kept = sum(int(needle[pos].sum()) for pos in kept)
