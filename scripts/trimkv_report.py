@@ -53,20 +53,22 @@ def allocation_figure(allocation: list[dict], folder: Path) -> list[str]:
     import numpy as np
 
     written = []
-    for policy in sorted({a["policy"] for a in allocation}):
-        budgets = sorted({a["budget"] for a in allocation if a["policy"] == policy})
+    for policy, length in sorted({(a["policy"], a["length"]) for a in allocation}):
+        mine = [a for a in allocation if a["policy"] == policy and a["length"] == length]
+        budgets = sorted({a["budget"] for a in mine})
         fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 6), squeeze=False)
         for ax, budget in zip(axes[0], budgets, strict=True):
-            mats = [np.array(a["lengths"]) for a in allocation if a["policy"] == policy and a["budget"] == budget]
+            mats = [np.array(a["lengths"]) for a in mine if a["budget"] == budget]
             mean = np.mean(mats, axis=0)  # (layers, heads)
             im = ax.imshow(mean, aspect="auto", cmap="viridis")
             ax.set_title(f"{policy} M={budget}\n(uniform would be {budget})", fontsize=9)
             ax.set_xlabel("KV head")
             ax.set_ylabel("layer")
             fig.colorbar(im, ax=ax, fraction=0.08)
-        fig.suptitle(f"Entries held per layer and KV head after the prompt ({policy}, mean over prompts)", fontsize=10)
+        fig.suptitle(f"Entries held per layer and KV head after a {length}-token prompt ({policy}, mean over "
+                     f"{len(mine) // len(budgets)} prompts)", fontsize=10)
         fig.tight_layout()
-        path = folder / f"allocation_{policy}.png"
+        path = folder / f"allocation_{policy}_{length}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path.name)
@@ -76,15 +78,17 @@ def allocation_figure(allocation: list[dict], folder: Path) -> list[str]:
 def allocation_table(allocation: list[dict]) -> str:
     import numpy as np
 
-    lines = ["| policy | M | min head | max head | heads < M/4 | share of total in layers 0–9 / 10–19 / 20–29 |",
-             "|---|---|---|---|---|---|"]
-    for policy in sorted({a["policy"] for a in allocation}):
-        for budget in sorted({a["budget"] for a in allocation if a["policy"] == policy}):
-            mats = np.array([a["lengths"] for a in allocation if a["policy"] == policy and a["budget"] == budget])
+    lines = ["| policy | tokens | M | min head | max head | heads < M/4 "
+             "| share of total in layers 0–9 / 10–19 / 20–29 |",
+             "|---|---|---|---|---|---|---|"]
+    for policy, length in sorted({(a["policy"], a["length"]) for a in allocation}):
+        mine = [a for a in allocation if a["policy"] == policy and a["length"] == length]
+        for budget in sorted({a["budget"] for a in mine}):
+            mats = np.array([a["lengths"] for a in mine if a["budget"] == budget])
             mean = mats.mean(axis=0)
             total = mean.sum()
             thirds = [mean[i:i + 10].sum() / total for i in (0, 10, 20)]
-            lines.append(f"| {policy} | {budget} | {mats.min()} | {mats.max()} | "
+            lines.append(f"| {policy} | {length} | {budget} | {mats.min()} | {mats.max()} | "
                          f"{(mean < budget / 4).mean():.0%} | " + " / ".join(f"{t:.0%}" for t in thirds) + " |")
     return "\n".join(lines)
 

@@ -281,3 +281,27 @@ def test_shipped_gates_describe_the_default_model():
         assert config.tied == meta.stem.endswith("-dbtrimkv")
         assert config.training["steps"] > 0 and "heldout" in config.training
         assert meta.with_suffix(".safetensors").is_file()
+
+
+@pytest.mark.parametrize("variant", ["trimkv", "dbtrimkv", "dbtrimkv_untied"])
+def test_shipped_gate_loads_for_the_default_model_config(variant):
+    """``KVCache(model, variant)`` without ``gates=`` finds the shipped file for the default model's config
+    (a parameterless stand-in with SmolLM2-135M's shapes: no weights, no forward) and gets the readout its
+    variant names: tied for ``dbtrimkv``, per layer and head for ``trimkv`` and ``dbtrimkv_untied``."""
+    from transformers import LlamaConfig
+
+    from kvsieve.gates.pretrained import load_pretrained, pretrained_stem
+
+    stand_in = torch.nn.Module()
+    stand_in.config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                  intermediate_size=1536, vocab_size=49152)
+    stand_in.config._name_or_path = "/home/user/.cache/kvsieve/smollm2-135m-instruct"
+    stand_in.anchor = torch.nn.Parameter(torch.zeros(1))  # load_gates puts the gates on the model's device
+    assert pretrained_stem(stand_in, variant).name == f"smollm2-135m-instruct-{variant}"
+    gates = load_pretrained(stand_in, variant)
+    tied = variant == "dbtrimkv"
+    assert gates.config.tied is tied
+    assert gates.config.training["variant"] == variant
+    assert tuple(gates.w_out.shape) == ((32,) if tied else (30, 3, 32))
+    assert tuple(gates.b_out.shape) == (() if tied else (30, 3))
+    assert bool((gates.b_out < B_OUT_INIT - 1).all()), "a trained gate has moved b_out well below its init"
