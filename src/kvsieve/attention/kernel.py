@@ -36,6 +36,11 @@ def all_along(mask: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tens
     return mask.view(torch.uint8).amin(dim=dim, keepdim=keepdim).bool()
 
 
+def some_row_sees_nothing(mask: torch.Tensor) -> bool:
+    """Whether any query row of a visibility mask has no visible key (its softmax would be NaN); one host read."""
+    return not bool(all_along(any_along(mask, -1).flatten(), 0))
+
+
 def visibility_mask(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
@@ -187,8 +192,7 @@ def attention_rows(
     if mask is not None:
         logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if mask is not None and not bool(all_along(any_along(mask, -1).flatten(), 0)):
-        # a row with no visible key is NaN after softmax
+    if mask is not None and some_row_sees_nothing(mask):  # such a row is NaN after softmax
         probs = torch.nan_to_num(probs, nan=0.0)
     return probs.view(batch, q_heads, q_len, keys.shape[2])
 
@@ -219,9 +223,9 @@ def column_sums(
         columns = block_mask.flatten(0, -2)
         seen = any_along(columns, 0)
         # one host read per block: the last visible column and the first column some query cannot see
+        index = torch.arange(seen.shape[0], device=seen.device)
         bounds = torch.stack([
-            torch.where(seen, torch.arange(seen.shape[0], device=seen.device), -1).max(),
-            torch.where(all_along(columns, 0), seen.shape[0], torch.arange(seen.shape[0], device=seen.device)).min(),
+            torch.where(seen, index, -1).max(), torch.where(all_along(columns, 0), seen.shape[0], index).min(),
         ]).tolist()
         limit, first_hidden = bounds[0] + 1, bounds[1]
         if limit == 0:
@@ -232,7 +236,7 @@ def column_sums(
             hidden = ~block_mask[..., first_hidden:limit].unsqueeze(2)
             logits[..., first_hidden:limit].masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if first_hidden < limit and not bool(all_along(any_along(block_mask[..., :limit], -1).flatten(), 0)):
+        if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
         if query_weight is not None:
             probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
