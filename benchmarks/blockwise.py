@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.transformers_adapter import cache_kwargs
+
 RESULTS = Path(__file__).parent / "results" / "blockwise.json"
 
 
@@ -49,17 +51,17 @@ def _peak_worker(mode: str, tokens: int, budget: int, block: int, threads: int, 
     with torch.inference_mode():
         if mode == "full":
             cache = DynamicCache(config=model.config)
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             peak_entries = tokens
             kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         elif mode == "snapkv_at_once":
             cache = KVCache(model, "snapkv", budget=budget)
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             peak_entries, kv_bytes = cache.peak_head_length(), cache.kv_nbytes()
         else:
             cache = KVCache(model, "h2o", budget=budget, schedule="blockwise", block_size=block)
             for lo in range(0, tokens, block):
-                model(ids[:, lo : lo + block], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(ids[:, lo : lo + block], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             peak_entries, kv_bytes = cache.peak_head_length(), cache.kv_nbytes()
     queue.put({
         "mode": mode,
@@ -96,7 +98,7 @@ def restkv_prefill_ratio(tokens: int, budget: int, repeats: int, threads: int) -
             for name in times:
                 cache = KVCache(model, name, budget=budget)
                 started = time.perf_counter()
-                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
                 times[name].append(time.perf_counter() - started)
     snap, rest = statistics.median(times["snapkv"]), statistics.median(times["restkv"])
     return {"snapkv_prefill_s": snap, "restkv_prefill_s": rest, "restkv_over_snapkv": rest / snap,

@@ -16,7 +16,7 @@ the same length, so no padding) the cache states are built once:
 So every cache holds ~``B`` entries per head and the only difference left is the engine: the kvsieve
 attention, its ragged store and the per-step bookkeeping against plain SDPA on a dense cache. Each of
 ``--rounds`` rounds deep-copies the three filled caches (outside the timing), runs ``--warmup`` untimed
-steps on each, then ``--steps`` single-token forwards ``model(token, past_key_values=cache,
+steps on each, then ``--steps`` single-token forwards ``model(token, cache=cache,
 attention_mask=None, use_cache=True, logits_to_keep=1)`` per cache, *interleaved step by step* (order
 rotated every step), greedy next token fed back. Every cache grows by one entry per step, so with a few
 steps per round each configuration is measured at ``B`` to ``B + warmup + steps`` entries. Reported:
@@ -65,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvsieve.transformers_adapter import cache_kwargs
 
 RESULTS = Path(__file__).parent / "results" / "engine_overhead.json"
 
@@ -214,7 +216,7 @@ def entries_per_head(cache: Any) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- timing
 def forward_step(model: torch.nn.Module, cache: Any, token: torch.Tensor) -> torch.Tensor:
     """One decoding forward (the call timed for every cache alike); the greedy next token ``(batch, 1)``."""
-    out = model(token, past_key_values=cache, attention_mask=None, use_cache=True, logits_to_keep=1)
+    out = model(token, **cache_kwargs(model, cache), attention_mask=None, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1:].argmax(-1)
 
 
@@ -232,7 +234,7 @@ def build_state(model: torch.nn.Module, policy: str, budget: int, ids: torch.Ten
     """Prefill ``ids`` into a fresh cache; the state and the prefill seconds."""
     cache = make_cache(model, policy, budget, params)
     started = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     flush = getattr(cache, "flush", None)
     if flush is not None:
         flush()  # kvsieve applies a prompt's compaction when the prompt ends: time it with the prefill

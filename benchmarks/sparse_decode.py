@@ -36,13 +36,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_overhead import cpu_info, essay_token_pool, kvsieve_source, load_average, pick_dtype
 
+from kvsieve.transformers_adapter import cache_kwargs
+
 RESULTS = Path(__file__).parent / "results" / "sparse_decode.json"
 POLICIES = ("exact_topk", "quest", "sparq", "hsa", "rocketkv", "rocketkv_mt", "snapkv")
 
 
 def _step(model: torch.nn.Module, cache: Any, token: torch.Tensor) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
-    out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(token, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     elapsed = time.perf_counter() - start
     return elapsed, out.logits[:, -1].argmax(dim=-1, keepdim=True)
 

@@ -11,6 +11,7 @@ from conftest import PAD_ID, VOCAB
 from transformers import DynamicCache
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 def prompt(batch: int = 1, length: int = 24, seed: int = 0) -> torch.Tensor:
@@ -49,7 +50,7 @@ def generate(model, ids, cache, steps: int = 6, attention_mask=None):
         attention_mask=attention_mask,
         max_new_tokens=steps,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         output_logits=True,
         return_dict_in_generate=True,
     )
@@ -69,7 +70,7 @@ def decode_loop(
     ``after_step(i)`` runs after the prefill (i = 0) and after every decoding forward (i = 1..steps).
     Returns the generated tokens ``(batch, steps)`` and the logits of every forward's last position.
     """
-    out = model(ids, attention_mask=attention_mask, past_key_values=cache)
+    out = model(ids, attention_mask=attention_mask, **cache_kwargs(model, cache))
     logits = [out.logits[:, -1]]
     if after_step is not None:
         after_step(0)
@@ -80,7 +81,7 @@ def decode_loop(
         tokens.append(token)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        out = model(token, attention_mask=mask, past_key_values=cache)
+        out = model(token, attention_mask=mask, **cache_kwargs(model, cache))
         logits.append(out.logits[:, -1])
         if after_step is not None:
             after_step(i)
@@ -90,7 +91,7 @@ def decode_loop(
 def reference_cache(ref_model, ids: torch.Tensor, attention_mask=None) -> tuple[DynamicCache, torch.Tensor]:
     """Plain transformers prefill: the DynamicCache and the logits."""
     dyn = DynamicCache(config=ref_model.config)
-    out = ref_model(ids, attention_mask=attention_mask, past_key_values=dyn)
+    out = ref_model(ids, attention_mask=attention_mask, **cache_kwargs(ref_model, dyn))
     return dyn, out.logits
 
 

@@ -7,6 +7,7 @@ import torch
 from helpers import decode_loop, left_pad, managed_layers, prompt
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 BUDGET, BLOCK = 12, 8
 POLICIES = [
@@ -55,7 +56,7 @@ def test_peak_is_checked_after_every_block(model):
     cache = make(model, blockwise("h2o", {}))
     ids = prompt(batch=1, length=40, seed=5)
     for lo in range(0, 40, BLOCK):
-        model(ids[:, lo : lo + BLOCK], past_key_values=cache)
+        model(ids[:, lo : lo + BLOCK], **cache_kwargs(model, cache))
         held = cache.head_lengths()[managed_layers(cache)]
         assert int(held.max()) <= BUDGET
         assert cache.peak_head_length() <= BUDGET + BLOCK
@@ -67,9 +68,9 @@ def test_internal_blocks_equal_feeding_blocks(model, name, params):
     """One forward split into blocks per layer == the model fed one block at a time."""
     ids = prompt(batch=1, length=37, seed=6)
     whole = make(model, blockwise(name, params))
-    logits_whole = model(ids, past_key_values=whole).logits
+    logits_whole = model(ids, **cache_kwargs(model, whole)).logits
     fed = make(model, blockwise(name, params))
-    parts = [model(ids[:, lo : lo + BLOCK], past_key_values=fed).logits for lo in range(0, 37, BLOCK)]
+    parts = [model(ids[:, lo : lo + BLOCK], **cache_kwargs(model, fed)).logits for lo in range(0, 37, BLOCK)]
     torch.testing.assert_close(logits_whole, torch.cat(parts, dim=1), atol=1e-5, rtol=1e-5)
     for layer in managed_layers(whole):
         assert torch.equal(whole.kept_positions(layer), fed.kept_positions(layer))
@@ -80,7 +81,7 @@ def test_budget_at_least_prompt_equals_normal_prefill(arch, model, ref_model, na
     ids = prompt(batch=2, length=30, seed=7)
     reference = ref_model(ids).logits
     cache = make(model, blockwise(name, params, budget=64))
-    logits = model(ids, past_key_values=cache).logits
+    logits = model(ids, **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
     full_tokens, _ = decode_loop(model, kvsieve.KVCache(model, "full"), ids, steps=4)
     block_tokens, _ = decode_loop(model, make(model, blockwise(name, params, budget=64)), ids, steps=4)

@@ -13,6 +13,7 @@ from helpers import all_kept_positions, decode_loop, managed_layers, prompt, sli
 
 import kvsieve
 from kvsieve.parts import Adaptive, Pyramid
+from kvsieve.transformers_adapter import cache_kwargs
 
 PROMPT_LEN, BUDGET = 24, 8
 POSITION_BYTES = 8  # int64 absolute position per entry
@@ -39,7 +40,7 @@ UNIFORM = {
 def test_prefill_keeps_exactly_budget_per_head(arch, model, policy):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=21)
     cache = kvsieve.KVCache(model, policy, **UNIFORM[policy])
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     lengths = cache.head_lengths()
     assert lengths.shape == (3, 2, 2)  # (layers, batch, kv heads)
     assert (lengths[managed_layers(cache)] == BUDGET).all()
@@ -115,7 +116,7 @@ def test_streaming_llm_keeps_sinks_and_most_recent(arch, model):
 
 def test_streaming_llm_custom_sinks(model):
     cache = kvsieve.KVCache(model, "streaming_llm", budget=BUDGET, sinks=2)
-    model(prompt(length=PROMPT_LEN, seed=26), past_key_values=cache)
+    model(prompt(length=PROMPT_LEN, seed=26), **cache_kwargs(model, cache))
     for layer, _, _, positions in all_kept_positions(cache):
         if layer in managed_layers(cache):
             assert positions.tolist() == [0, 1, *range(PROMPT_LEN - 6, PROMPT_LEN)]
@@ -135,7 +136,7 @@ def test_streaming_llm_custom_sinks(model):
 def test_window_is_always_kept(arch, model, policy, params):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=27)
     cache = kvsieve.KVCache(model, policy, **params)
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     window = params["window"]
     tail = list(range(PROMPT_LEN - window, PROMPT_LEN))
     for layer, _, _, positions in all_kept_positions(cache):
@@ -147,7 +148,7 @@ def test_ratio_keeps_ceiling_fraction(model):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=28)
     for ratio in (0.25, 0.5, 0.9):
         cache = kvsieve.KVCache(model, "h2o", ratio=ratio)
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
         expected = math.ceil(PROMPT_LEN * (1 - ratio))
         assert (cache.head_lengths()[managed_layers(cache)] == expected).all(), ratio
 
@@ -163,7 +164,7 @@ def test_pyramidkv_layer_budgets_decrease(arch, model):
     assert sum(budgets) <= num_layers * 12
     assert min(budgets) >= 4  # never below the window
     cache = kvsieve.KVCache(model, policy)
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     lengths = cache.head_lengths()
     for layer in managed_layers(cache):
         assert (lengths[layer] == budgets[layer]).all(), (layer, lengths[layer].tolist(), budgets)
@@ -189,7 +190,7 @@ def test_pyramidkv_budget_schedule_properties(num_layers, budget, window):
 def test_adakv_allocation(arch, model, floor):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=30)
     cache = kvsieve.KVCache(model, "adakv", budget=BUDGET, window=4, floor=floor)
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     lengths = cache.head_lengths()
     managed = managed_layers(cache)
     heads = cache.info.num_kv_heads
@@ -235,7 +236,7 @@ def test_adakv_default_floor_guarantees_entries_outside_the_window(arch, model):
     ids = prompt(batch=2, length=40, seed=30)
     cache = kvsieve.KVCache(model, "adakv", budget=budget, window=window, floor_alpha=alpha)
     assert cache.policy.allocator == Adaptive(alpha=alpha, floor="outside_window")
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     lengths = cache.head_lengths()[managed_layers(cache)]
     floor = window + int(alpha * (budget - window))  # 14 (floor="budget" would guarantee only ⌊α·B⌋ = 12)
     assert (lengths >= floor).all(), lengths.tolist()
@@ -254,9 +255,9 @@ def test_used_nbytes_counts_side_data_and_slack(model):
         base = int(lengths.sum()) * (kv_entry_bytes(cache) + POSITION_BYTES)
         return base + int(lengths[managed_layers(cache)].sum()) * 4
 
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     assert cache.used_nbytes == expected_used()
-    model(ids[:, :1], past_key_values=cache)
+    model(ids[:, :1], **cache_kwargs(model, cache))
     assert cache.used_nbytes == expected_used()
     assert cache.nbytes > cache.used_nbytes
 
@@ -301,7 +302,7 @@ def test_model_with_a_global_sliding_window_is_not_silently_uncompressed(arch):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cache = kvsieve.KVCache(model, "snapkv", budget=BUDGET, window=4)
-            model(ids, past_key_values=cache)
+            model(ids, **cache_kwargs(model, cache))
     except (kvsieve.UnsupportedArchitectureError, kvsieve.PolicyConfigError):
         return  # refusing is acceptable
     warned = any("kvsieve" in str(w.message) for w in caught)

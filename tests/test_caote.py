@@ -17,6 +17,7 @@ from kvsieve.policies import PRESETS
 from kvsieve.policies.presets import preset
 from kvsieve.scores.gqa import reduce_groups
 from kvsieve.scores.reconstruction import caote_meta_scores, caote_scores
+from kvsieve.transformers_adapter import cache_kwargs
 
 NAMES = ["h2o_caote", "tova_caote", "snapkv_caote", "h2o_fastcaote", "tova_fastcaote", "snapkv_fastcaote"]
 
@@ -210,7 +211,7 @@ def test_caote_changes_the_kept_set():
     kept = {}
     for name in ("h2o", "h2o_caote", "h2o_fastcaote"):
         cache = kvsieve.KVCache(model, name, budget=BUDGET)
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
         kept[name] = [p.tolist() for *_, p in all_kept_positions(cache)]
     assert kept["h2o_caote"] != kept["h2o"] and kept["h2o_fastcaote"] != kept["h2o"]
 

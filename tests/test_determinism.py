@@ -8,6 +8,7 @@ from conftest import get_model
 from helpers import all_kept_positions, decode_loop, prompt
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 CASES = {
     "random": ("random", {"budget": 8}),
@@ -45,7 +46,7 @@ def test_random_seed_changes_kept_set(model):
     kept = {}
     for seed in (0, 1):
         cache = kvsieve.KVCache(model, "random", budget=8, seed=seed)
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
         kept[seed] = [p.tolist() for *_, p in all_kept_positions(cache)]
     assert kept[0] != kept[1]
 
@@ -54,7 +55,7 @@ def test_random_differs_across_layers_heads_and_steps(model):
     """The generator is seeded per (seed, layer, forward): not the same subset everywhere."""
     ids = prompt(batch=1, length=24, seed=52)
     cache = kvsieve.KVCache(model, "random", budget=8, schedule="decode")
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     kept = [
         tuple(p.tolist()) for layer, _, _, p in all_kept_positions(cache) if cache.info.sliding_windows[layer] is None
     ]

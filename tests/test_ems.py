@@ -21,6 +21,7 @@ from kvsieve.parts.actions.evict_merge_pos import POSITION_TABLE, EvictThenMerge
 from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, LOCAL_ROWS, GlobalLocal, global_local
 from kvsieve.policies import Policy, make_policy
 from kvsieve.scores.rope import UnsupportedRotaryError, rotary_table, rotate, unrotate
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- Eq. 2
@@ -103,11 +104,11 @@ def test_short_chunks_accumulate_like_decoding_rows():
     """A forward of fewer than ``window`` queries (streamed text) joins ``cur``; it swaps once ``cur`` holds ≥ w."""
     model = build_model("llama")
     cache = kvsieve.KVCache(model, "ems", budget=64, window=8)
-    model(prompt(length=20), past_key_values=cache)
+    model(prompt(length=20), **cache_kwargs(model, cache))
     rows = []
     for seed in range(3):
         cache.flush()
-        model(prompt(length=3, seed=seed), past_key_values=cache)
+        model(prompt(length=3, seed=seed), **cache_kwargs(model, cache))
         rows.append(int(cache.layers[0].store.dense().extras[LOCAL_ROWS].amax()))
     assert rows == [3, 6, 0]
 
@@ -277,8 +278,8 @@ def test_kv_nbytes_equal_snapkv_and_side_data_counted():
     ids = prompt(length=40)
     ems = kvsieve.KVCache(model, "ems", budget=12, window=4, schedule="prefill")
     snap = kvsieve.KVCache(model, "snapkv", budget=12, window=4)
-    model(ids, past_key_values=ems)
-    model(ids, past_key_values=snap)
+    model(ids, **cache_kwargs(model, ems))
+    model(ids, **cache_kwargs(model, snap))
     assert ems.kv_nbytes() == snap.kv_nbytes()
     side = 5 * 4  # merge_count, s_glo, s_loc past/cur, row count: float32 each
     assert ems.used_nbytes - snap.used_nbytes == side * int(ems.head_lengths().sum())

@@ -16,6 +16,7 @@ from helpers import generate, kvsieve_warnings, managed_layers, prompt, referenc
 from transformers import DynamicCache
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 PROMPT_LEN, STEPS = 24, 6
 GEMMA3_DECODE_ATOL = 1e-5
@@ -50,10 +51,10 @@ def test_forward_logits_identical(arch, model, ref_model, case):
     cache = kvsieve.KVCache(model, policy, **params)
     if warns:
         with pytest.warns(UserWarning, match="nothing was compressed"):
-            logits = model(ids, past_key_values=cache).logits
+            logits = model(ids, **cache_kwargs(model, cache)).logits
     else:
         with kvsieve_warnings() as messages:
-            logits = model(ids, past_key_values=cache).logits
+            logits = model(ids, **cache_kwargs(model, cache)).logits
         assert messages == []
     assert torch.equal(logits, ref_logits)
     assert cache.get_seq_length() == PROMPT_LEN
@@ -83,7 +84,7 @@ def test_noop_warning_only_once_per_cache(model):
     cache = kvsieve.KVCache(model, "snapkv", budget=64, window=4)
     with kvsieve_warnings() as messages:
         generate(model, prompt(length=12), cache, 3)
-        model(prompt(length=5, seed=9), past_key_values=cache)  # a second chunk, still under budget
+        model(prompt(length=5, seed=9), **cache_kwargs(model, cache))  # a second chunk, still under budget
     assert len(messages) == 1
     assert "nothing was compressed" in messages[0]
 
@@ -91,7 +92,7 @@ def test_noop_warning_only_once_per_cache(model):
 def test_real_eviction_does_not_warn(model):
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
     with kvsieve_warnings() as messages:
-        model(prompt(length=PROMPT_LEN), past_key_values=cache)
+        model(prompt(length=PROMPT_LEN), **cache_kwargs(model, cache))
     assert messages == []
 
 
@@ -103,7 +104,7 @@ def test_pyramidkv_no_warning_when_deeper_layers_compress():
     model = get_model("llama", "kv")
     cache = kvsieve.KVCache(model, "pyramidkv", budget=8, window=4)
     with kvsieve_warnings() as messages:
-        model(prompt(length=11), past_key_values=cache)
+        model(prompt(length=11), **cache_kwargs(model, cache))
     assert cache.head_lengths()[:, 0, 0].tolist() == [11, 8, 4]  # really compressed
     assert not any("nothing was compressed" in m for m in messages), messages
 
@@ -131,7 +132,7 @@ def test_full_kv_bytes_equal_dynamic_cache(arch, model, ref_model):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=4)
     dyn, _ = reference_cache(ref_model, ids)
     cache = kvsieve.KVCache(model, "full")
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     layers = managed_layers(cache)  # sliding layers: see test_budgets.test_sliding_layers_*
     expected = sum(dyn.layers[i].keys.nbytes + dyn.layers[i].values.nbytes for i in layers)
     held = int(cache.head_lengths()[layers].sum())
@@ -228,9 +229,9 @@ def test_beam_search_full_matches_sdpa(arch):
     model, ref_model = get_model(arch, "kv"), get_model(arch, "ref")
     ids = prompt(batch=2, length=20, seed=6)
     kwargs = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False}
-    expected = ref_model.generate(ids, past_key_values=DynamicCache(config=ref_model.config), **kwargs)
+    expected = ref_model.generate(ids, **cache_kwargs(ref_model, DynamicCache(config=ref_model.config)), **kwargs)
     cache = kvsieve.KVCache(model, "full")
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), expected)
+    assert torch.equal(model.generate(ids, **cache_kwargs(model, cache), **kwargs), expected)
     assert cache.head_lengths().shape[1] == 2 * 3
 
 
@@ -239,7 +240,7 @@ def test_beam_search_with_compression_keeps_budget(model, policy):
     params = {"budget": 8, "window": 4} if policy != "h2o" else {"budget": 8, "schedule": "decode", "buffer": 1}
     cache = kvsieve.KVCache(model, policy, **params)
     ids = prompt(batch=2, length=20, seed=7)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False)
+    out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=5, num_beams=3, do_sample=False)
     assert out.shape == (2, 25)
     lengths = cache.head_lengths()[managed_layers(cache)]
     assert lengths.shape[1] == 6

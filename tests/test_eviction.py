@@ -14,6 +14,7 @@ from helpers import all_kept_positions, decode_loop, managed_layers, prompt, ref
 from transformers import DynamicCache
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 PROMPT_LEN = 24
 
@@ -40,9 +41,9 @@ def test_kept_entries_are_exact_copies(arch, model, ref_model, case):
     ids = prompt(batch=2, length=PROMPT_LEN, seed=11)
     dyn, _ = reference_cache(ref_model, ids)
     full = kvsieve.KVCache(model, "full")
-    model(ids, past_key_values=full)
+    model(ids, **cache_kwargs(model, full))
     cache = kvsieve.KVCache(model, policy_name(case), **EVICTING[case])
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     managed = managed_layers(cache)
     evicted = False
     for layer, b, h, positions in all_kept_positions(cache):
@@ -74,9 +75,9 @@ def test_kept_entries_exact_after_decode_schedule(model, policy):
     cache = kvsieve.KVCache(model, policy, budget=8, schedule="decode", buffer=1)
     tokens, _ = decode_loop(model, cache, ids, steps=8)
     full = kvsieve.KVCache(model, "full")
-    model(ids, past_key_values=full)
+    model(ids, **cache_kwargs(model, full))
     for i in range(tokens.shape[1]):
-        model(tokens[:, i : i + 1], past_key_values=full)
+        model(tokens[:, i : i + 1], **cache_kwargs(model, full))
     assert full.get_seq_length() == cache.get_seq_length() == 16 + 8
     generated_seen = False
     for layer, b, h, positions in all_kept_positions(cache):
@@ -124,7 +125,7 @@ def test_tova_default_keeps_one_set_per_layer(arch, model, schedule):
 
     decode_loop(model, cache, ids, steps=4, after_step=check)
     grouped = kvsieve.KVCache(model, "tova", budget=8, schedule=schedule, heads="group")
-    model(ids, past_key_values=grouped)
+    model(ids, **cache_kwargs(model, grouped))
     differs = any(
         not torch.equal(grouped.kept_positions(layer, b, h), grouped.kept_positions(layer, b, 0))
         for layer in managed_layers(grouped) for b in range(ids.shape[0]) for h in range(1, heads)
@@ -155,8 +156,8 @@ def test_decoding_after_eviction_matches_cropped_reference(arch, model, ref_mode
     ids = prompt(batch=2, length=PROMPT_LEN, seed=14)
     cache = kvsieve.KVCache(model, policy, **params)
     full = kvsieve.KVCache(model, "full")
-    logits = model(ids, past_key_values=cache).logits
-    model(ids, past_key_values=full)
+    logits = model(ids, **cache_kwargs(model, cache)).logits
+    model(ids, **cache_kwargs(model, full))
     _, ref_logits = reference_cache(ref_model, ids)
     assert torch.equal(logits, ref_logits)  # compaction happens after the prompt's own attention
     dyn = cropped_reference(ref_model, ids, cache)
@@ -166,12 +167,12 @@ def test_decoding_after_eviction_matches_cropped_reference(arch, model, ref_mode
     token = logits[:, -1:].argmax(-1)
     differs_from_full = False
     for step in range(4):
-        ours = model(token, past_key_values=cache).logits
+        ours = model(token, **cache_kwargs(model, cache)).logits
         position = torch.full((2, 1), PROMPT_LEN + step)
-        expected = ref_model(token, past_key_values=dyn, position_ids=position).logits
+        expected = ref_model(token, **cache_kwargs(ref_model, dyn), position_ids=position).logits
         torch.testing.assert_close(ours, expected, atol=atol, rtol=0, msg=f"{policy} step {step}")
         assert cache.get_seq_length() == PROMPT_LEN + step + 1
-        full_logits = model(token, past_key_values=full).logits
+        full_logits = model(token, **cache_kwargs(model, full)).logits
         differs_from_full |= (ours - full_logits).abs().max().item() > 1e-3
         token = ours[:, -1:].argmax(-1)
     assert differs_from_full, "eviction had no effect on the logits"
@@ -182,11 +183,11 @@ def test_cropped_reference_is_sensitive_to_rope_position(model, ref_model):
     length changes the logits, so a cache that reported held entries as its length would fail it."""
     ids = prompt(batch=2, length=PROMPT_LEN, seed=15)
     cache = kvsieve.KVCache(model, "streaming_llm", budget=8)
-    token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+    token = model(ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
     dyn_right, dyn_wrong = cropped_reference(ref_model, ids, cache), cropped_reference(ref_model, ids, cache)
-    ours = model(token, past_key_values=cache).logits
-    right = ref_model(token, past_key_values=dyn_right, position_ids=torch.full((2, 1), PROMPT_LEN)).logits
-    wrong = ref_model(token, past_key_values=dyn_wrong, position_ids=torch.full((2, 1), 8)).logits
+    ours = model(token, **cache_kwargs(model, cache)).logits
+    right = ref_model(token, **cache_kwargs(ref_model, dyn_right), position_ids=torch.full((2, 1), PROMPT_LEN)).logits
+    wrong = ref_model(token, **cache_kwargs(ref_model, dyn_wrong), position_ids=torch.full((2, 1), 8)).logits
     torch.testing.assert_close(ours, right, atol=1e-5 if sliding_layers(cache) else 0.0, rtol=0)
     assert (ours - wrong).abs().max().item() > 1e-3
 
@@ -197,10 +198,10 @@ def test_multi_chunk_prefill_keeps_positions_right(model, ref_model, policy):
     params = {"budget": 8, "window": 4} if policy == "snapkv" else {"budget": 8}
     first, second = prompt(batch=1, length=20, seed=16), prompt(batch=1, length=6, seed=17)
     cache = kvsieve.KVCache(model, policy, **params)
-    model(first, past_key_values=cache)
+    model(first, **cache_kwargs(model, cache))
     dyn = cropped_reference(ref_model, first, cache)
-    ours = model(second, past_key_values=cache).logits
-    expected = ref_model(second, past_key_values=dyn, position_ids=torch.arange(20, 26)[None]).logits
+    ours = model(second, **cache_kwargs(model, cache)).logits
+    expected = ref_model(second, **cache_kwargs(ref_model, dyn), position_ids=torch.arange(20, 26)[None]).logits
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == 26
     assert (cache.head_lengths()[managed_layers(cache)] == 8).all()

@@ -20,6 +20,7 @@ import kvsieve
 from kvsieve.attention import masks
 from kvsieve.attention.masks import KvsieveMask
 from kvsieve.attention.register import VARIANTS
+from kvsieve.transformers_adapter import cache_kwargs
 
 STEPS = 3
 #: (architecture, sliding window forced on every layer or None): Mistral/Phi3 with ``sliding_window`` set too.
@@ -44,7 +45,7 @@ def pair(arch: str, impl: str = "sdpa", window: int | None = None) -> tuple[torc
         params = {} if window is not None else {"budget": 8, "window": 4}
         cache = kvsieve.KVCache(served, policy, **params)
         with torch.no_grad():
-            served(prompt(length=12, seed=9), past_key_values=cache)
+            served(prompt(length=12, seed=9), **cache_kwargs(served, cache))
         assert served.config._attn_implementation == VARIANTS[impl]
         assert untouched.config._attn_implementation == impl
         _PAIRS[key] = served, untouched
@@ -53,13 +54,13 @@ def pair(arch: str, impl: str = "sdpa", window: int | None = None) -> tuple[torc
 
 def _loop(model, cache, ids, mask=None) -> list[torch.Tensor]:
     """Prefill (all logits) then ``STEPS`` greedy decoding forwards (their logits)."""
-    out = model(ids, attention_mask=mask, past_key_values=cache)
+    out = model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     logits = [out.logits]
     for _ in range(STEPS):
         token = logits[-1][:, -1].argmax(-1, keepdim=True)
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        logits.append(model(token, attention_mask=mask, past_key_values=cache).logits)
+        logits.append(model(token, attention_mask=mask, **cache_kwargs(model, cache)).logits)
     return logits
 
 
@@ -125,12 +126,12 @@ def test_eager_attention_weights(arch):
     assert len(ours.attentions) == len(ref.attentions) == served.config.num_hidden_layers
     _assert_equal([ours.logits, *ours.attentions], [ref.logits, *ref.attentions])
     cache = DynamicCache(config=served.config)  # and through a cache, at decoding
-    served(ids, attention_mask=mask, past_key_values=cache)
+    served(ids, attention_mask=mask, **cache_kwargs(served, cache))
     ref_cache = DynamicCache(config=untouched.config)
-    untouched(ids, attention_mask=mask, past_key_values=ref_cache)
+    untouched(ids, attention_mask=mask, **cache_kwargs(untouched, ref_cache))
     step, step_mask = ids[:, -1:], torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    ours = served(step, attention_mask=step_mask, past_key_values=cache, output_attentions=True)
-    ref = untouched(step, attention_mask=step_mask, past_key_values=ref_cache, output_attentions=True)
+    ours = served(step, attention_mask=step_mask, **cache_kwargs(served, cache), output_attentions=True)
+    ref = untouched(step, attention_mask=step_mask, **cache_kwargs(untouched, ref_cache), output_attentions=True)
     _assert_equal([ours.logits, *ours.attentions], [ref.logits, *ref.attentions])
 
 
@@ -139,10 +140,10 @@ def test_kvsieve_cache_unchanged_by_other_caches(impl):
     """The kvsieve path still works on the same model in between, and gives what it gave before."""
     served, _ = pair("gemma3", impl)
     ids, mask = _left_padded()
-    first = _generate(served, ids, mask, past_key_values=kvsieve.KVCache(served, "snapkv", budget=8, window=4))
+    first = _generate(served, ids, mask, **cache_kwargs(served, kvsieve.KVCache(served, "snapkv", budget=8, window=4)))
     SCENARIOS["generate_static"](served)
     SCENARIOS["right_pad_dynamic"](served)
-    again = _generate(served, ids, mask, past_key_values=kvsieve.KVCache(served, "snapkv", budget=8, window=4))
+    again = _generate(served, ids, mask, **cache_kwargs(served, kvsieve.KVCache(served, "snapkv", budget=8, window=4)))
     _assert_equal(again, first)
 
 
@@ -190,6 +191,6 @@ def test_output_attentions_with_a_kvsieve_cache_says_so():
     served, _ = pair("llama", "eager")
     cache = kvsieve.KVCache(served, "snapkv", budget=8, window=4)
     with kvsieve_warnings() as messages:
-        out = served(prompt(length=12), past_key_values=cache, output_attentions=True)
+        out = served(prompt(length=12), **cache_kwargs(served, cache), output_attentions=True)
     assert out.attentions == ()
     assert any("no attention weights" in m for m in messages)

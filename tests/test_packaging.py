@@ -26,12 +26,13 @@ for name in BLOCKED:  # as if no extra were installed: import fails, importlib.u
     sys.modules[name] = None
 import torch, kvsieve
 from transformers import LlamaConfig, LlamaForCausalLM
+from kvsieve.transformers_adapter import cache_kwargs
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
 model = LlamaForCausalLM(config).eval()
 cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
 with torch.no_grad():
-    model(torch.arange(3, 40)[None], past_key_values=cache)
+    model(torch.arange(3, 40)[None], **cache_kwargs(model, cache))
 assert int(cache.head_lengths().max()) == 8
 print(sorted(m for m, mod in sys.modules.items() if m.split(".")[0] in BLOCKED and mod is not None))
 """

@@ -11,6 +11,7 @@ import torch
 from helpers import generate, left_pad, managed_layers, prompt
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 STEPS = 6
 ATOL = RTOL = 1e-5
@@ -79,7 +80,7 @@ def test_padded_batch_equals_single_prompts(arch, case):
 def test_padding_is_never_stored(model):
     ids, mask, pads = left_pad(padded_prompts())
     cache = kvsieve.KVCache(model, "full")
-    model(ids, attention_mask=mask, past_key_values=cache)
+    model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     lengths = cache.head_lengths()
     for row, pad in enumerate(pads):
         expected = ids.shape[1] - pad
@@ -95,15 +96,15 @@ def test_mask_must_cover_all_tokens(model):
     """A padded mask that does not cover past + new tokens is rejected, and nothing is stored."""
     ids, mask, _ = left_pad(padded_prompts())
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
-    out = model(ids, attention_mask=mask, past_key_values=cache)
+    out = model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     before, seen = cache.head_lengths(), cache.get_seq_length()
     token = out.logits[:, -1:].argmax(-1)
     short = mask[:, :1]  # has padding zeros but covers only one token
     assert not short.all()
     with pytest.raises(ValueError, match="attention_mask"):
-        model(token, attention_mask=short, past_key_values=cache)
+        model(token, attention_mask=short, **cache_kwargs(model, cache))
     assert torch.equal(cache.head_lengths(), before)
     assert cache.get_seq_length() == seen
     # the cache still works with the right mask
-    model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1), past_key_values=cache)
+    model(token, attention_mask=torch.cat([mask, torch.ones_like(token)], 1), **cache_kwargs(model, cache))
     assert cache.get_seq_length() == seen + 1

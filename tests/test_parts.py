@@ -30,6 +30,7 @@ from kvsieve.parts import (
     WindowAttention,
 )
 from kvsieve.policies import Policy, make_policy
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- composition
@@ -37,14 +38,14 @@ def test_any_scorer_with_any_allocator_by_name(model):
     ids = prompt(length=40)
     ada = kvsieve.KVCache(model, "restkv", budget=12, window=4, allocator="adaptive")
     assert isinstance(ada.policy.allocator, Adaptive) and isinstance(ada.policy.scorer, OutputReconstruction)
-    model(ids, past_key_values=ada)
+    model(ids, **cache_kwargs(model, ada))
     lengths = ada.head_lengths()
     managed = list(ada.info.managed_layers)
     # head-wise allocation: the layer total is H·B, heads may differ
     assert (lengths[managed].sum(-1) == 12 * ada.info.num_kv_heads).all()
     pyramid = kvsieve.KVCache(model, "tova", budget=12, allocator="pyramid")
     assert isinstance(pyramid.policy.allocator, Pyramid)
-    model(ids, past_key_values=pyramid)
+    model(ids, **cache_kwargs(model, pyramid))
     budgets = [pyramid.policy.allocator.layer_budget(12, i, model.config.num_hidden_layers, 0) for i in managed]
     for layer, budget in zip(managed, budgets, strict=True):
         assert (pyramid.head_lengths()[layer] == budget).all()
@@ -54,8 +55,8 @@ def test_ada_restkv_preset_equals_restkv_with_adaptive_allocator(model):
     ids = prompt(length=40, seed=3)
     preset = kvsieve.KVCache(model, "ada_restkv", budget=12, window=4)
     composed = kvsieve.KVCache(model, "restkv", budget=12, window=4, allocator="adaptive")
-    model(ids, past_key_values=preset)
-    model(ids, past_key_values=composed)
+    model(ids, **cache_kwargs(model, preset))
+    model(ids, **cache_kwargs(model, composed))
     assert torch.equal(preset.head_lengths(), composed.head_lengths())
     for layer in preset.info.managed_layers:
         for head in range(preset.info.num_kv_heads):
@@ -66,7 +67,7 @@ def test_parts_passed_as_objects(model):
     policy = Policy(scorer=WindowAttention(window=4, kernel_size=3), allocator=Adaptive(alpha=0.5), budget=10,
                     name="mine")
     cache = kvsieve.KVCache(model, policy)
-    model(prompt(length=30), past_key_values=cache)
+    model(prompt(length=30), **cache_kwargs(model, cache))
     assert str(policy).startswith("mine(budget=10")
     assert int(cache.head_lengths()[list(cache.info.managed_layers)].sum(-1).max()) <= 10 * cache.info.num_kv_heads
 
@@ -93,7 +94,7 @@ def test_adaptive_floor_counts_outside_the_window():
 
 def test_tova_official_reading_shares_one_set_per_layer(model):
     cache = kvsieve.KVCache(model, "tova", budget=10)
-    model(prompt(length=30), past_key_values=cache)
+    model(prompt(length=30), **cache_kwargs(model, cache))
     for layer in cache.info.managed_layers:
         first = cache.kept_positions(layer, 0, 0)
         for head in range(1, cache.info.num_kv_heads):
@@ -116,7 +117,7 @@ def test_global_allocator_holds_exactly_the_total_budget_ragged(model):
     ids, mask, _ = left_pad([prompt(length=40)[0], prompt(length=29, seed=5)[0]])
     policy = Policy(scorer=WindowAttention(window=2), allocator=GlobalBudget(), budget=9, name="global_snapkv")
     cache = kvsieve.KVCache(model, policy)
-    model(ids, attention_mask=mask, past_key_values=cache)
+    model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     managed = list(cache.info.managed_layers)
     lengths = cache.head_lengths()[managed]  # (layers, batch, heads)
     total = 9 * len(managed) * cache.info.num_kv_heads
@@ -269,7 +270,7 @@ def test_scorers_receive_each_layers_normed_attention_inputs():
     for idx, layer in enumerate(decoder_layers(model, spec)):
         hooks.append(layer.input_layernorm.register_forward_hook(
             lambda mod, args, out, idx=idx: expected.__setitem__(idx, out.clone())))
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     for h in hooks:
         h.remove()
     assert [idx for idx, _ in captured] == list(range(model.config.num_hidden_layers))
@@ -291,7 +292,7 @@ def test_statistics_not_declared_are_refused(model):
 
     cache = kvsieve.KVCache(model, Policy(scorer=Sneaky(), budget=4, name="sneaky"))
     with pytest.raises(RuntimeError, match="window_rows"):
-        model(prompt(length=12), past_key_values=cache)
+        model(prompt(length=12), **cache_kwargs(model, cache))
 
 
 def test_deepcopy_is_independent_and_stays_bound_to_the_model(model):
@@ -299,13 +300,13 @@ def test_deepcopy_is_independent_and_stays_bound_to_the_model(model):
 
     cache = kvsieve.KVCache(model, "h2o", budget=10, schedule="decode")
     ids = prompt(length=24)
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(model, cache))
     clone = copy.deepcopy(cache)
     assert clone.model_config is cache.model_config and clone.engine.layers is clone.layers
     before = [cache.kept_positions(i, 0, 0).clone() for i in cache.info.managed_layers]
     token = prompt(length=1, seed=3)
     for _ in range(3):
-        model(token, past_key_values=clone)
+        model(token, **cache_kwargs(model, clone))
     assert clone.get_seq_length() == 27 and cache.get_seq_length() == 24
     after = [cache.kept_positions(i, 0, 0) for i in cache.info.managed_layers]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

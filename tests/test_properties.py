@@ -56,6 +56,7 @@ import kvsieve
 from kvsieve.parts.allocators import Adaptive, GlobalBudget
 from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
 from kvsieve.parts.base import PolicyConfigError
+from kvsieve.transformers_adapter import cache_kwargs
 
 #: Examples per preset (18 presets); ``KVSIEVE_PROPERTY_EXAMPLES`` overrides it for a longer hunt.
 MAX_EXAMPLES = int(os.environ.get("KVSIEVE_PROPERTY_EXAMPLES", "25"))
@@ -311,12 +312,12 @@ def plain_logits(model: torch.nn.Module, rows: list[torch.Tensor], static: bool)
         cache = DynamicCache(config=model.config)
     out = []
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        logits = model(ids, attention_mask=mask, **cache_kwargs(model, cache)).logits
         out.append(logits)
         for token in (5, 6):
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
             new = torch.full((len(rows), 1), token)
-            out.append(model(new, attention_mask=mask, past_key_values=cache).logits)
+            out.append(model(new, attention_mask=mask, **cache_kwargs(model, cache)).logits)
     return out
 
 
@@ -403,5 +404,5 @@ def test_blockwise_block_of_one_query_is_not_a_decoding_step():
     model = get_model("llama", "kv")
     cache = kvsieve.KVCache(model, "h2o", budget=4, schedule="blockwise", block_size=1, buffer=3)
     with torch.no_grad():
-        model(torch.arange(3, 13)[None], past_key_values=cache)
+        model(torch.arange(3, 13)[None], **cache_kwargs(model, cache))
     assert int(cache.head_lengths().max()) <= 4  # holds 6: evicted only past budget + buffer

@@ -10,6 +10,7 @@ import torch
 
 from kvsieve import KVCache
 from kvsieve.eval.niah import make_passkey_sample, score_sample
+from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_compressed_cache_holds_one_sixteenth(default_model, sample_2k):
     model, _ = default_model
     cache = KVCache(model, "snapkv", budget=256)
     with torch.inference_mode():
-        model(torch.tensor([sample_2k.prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(torch.tensor([sample_2k.prompt_ids]), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     lengths = cache.head_lengths()
     assert int(lengths.max()) == 256 and int(lengths.min()) == 256
     assert cache.get_seq_length() == len(sample_2k.prompt_ids)

@@ -20,6 +20,7 @@ from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
 from kvsieve.parts import OutputReconstruction
 from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
 from kvsieve.scores.smoothing import (
+from kvsieve.transformers_adapter import cache_kwargs
     adaptive_spatial_smoothing,
     adaptive_window,
     ema_over_window,
@@ -457,7 +458,7 @@ def test_budget_ge_prompt_is_exact(arch, model, ref_model, case):
         torch.testing.assert_close(ours, ref, atol=tol, rtol=0)
     _, prefill_logits = reference_cache(ref_model, ids)
     with pytest.warns(UserWarning, match="nothing was compressed"):
-        assert torch.equal(model(ids, past_key_values=make_cache(model, case, budget=budget)).logits, prefill_logits)
+        assert torch.equal(model(ids, **cache_kwargs(model, make_cache(model, case, budget=budget))).logits, prefill_logits)
 
 
 def test_adakv_with_restkv_base_matches_ada_restkv():
@@ -465,8 +466,8 @@ def test_adakv_with_restkv_base_matches_ada_restkv():
     ids = prompt(batch=2, length=PROMPT_LEN, seed=63)
     a = kvsieve.KVCache(model, "adakv", base="restkv", budget=BUDGET, window=WIN)
     b = kvsieve.KVCache(model, "ada_restkv", budget=BUDGET, window=WIN)
-    model(ids, past_key_values=a)
-    model(ids, past_key_values=b)
+    model(ids, **cache_kwargs(model, a))
+    model(ids, **cache_kwargs(model, b))
     assert [p.tolist() for *_, p in all_kept_positions(a)] == [p.tolist() for *_, p in all_kept_positions(b)]
 
 
@@ -477,7 +478,7 @@ def test_restkv_differs_from_snapkv():
     kept = {}
     for name, params in (("restkv", {}), ("snapkv", {"kernel_size": 1})):
         cache = kvsieve.KVCache(model, name, budget=BUDGET, window=WIN, **params)
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
         kept[name] = [p.tolist() for *_, p in all_kept_positions(cache)]
     assert kept["restkv"] != kept["snapkv"]
 

@@ -39,6 +39,7 @@ from kvsieve.parts.actions.base import Action
 from kvsieve.parts.allocators import Adaptive
 from kvsieve.parts.base import PolicyConfigError
 from kvsieve.parts.scorers import Caote, RandomScores
+from kvsieve.transformers_adapter import cache_kwargs
 
 LOGITS_ATOL = 1e-4
 #: Entries the batch lost and gained are a near-tie swap when their sorted scores pair up within this
@@ -147,7 +148,7 @@ def run_rows(
         for i, new in enumerate(inputs):
             if mask is not None and i > 0:
                 mask = torch.cat([mask, torch.ones_like(new)], dim=1)
-            out = model(new, attention_mask=mask, past_key_values=cache)
+            out = model(new, attention_mask=mask, **cache_kwargs(model, cache))
             logits.append(out.logits[:, -1].detach().clone())
             seen.append(cache.get_seq_length())
             if inspect or i == len(inputs) - 1:
@@ -387,7 +388,7 @@ def test_ratio_below_window_keeps_the_window(arch, model, policy):
     except PolicyConfigError:
         pytest.skip("no ratio for this policy")
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
     for layer in cache.info.managed_layers:
         for h in range(cache.head_lengths().shape[2]):
             assert cache.kept_positions(layer, 0, h).tolist() == list(range(2, 10))
@@ -398,7 +399,7 @@ def test_ratio_target_is_the_decimal_one(model, ratio, length, kept):
     """⌈n·(1 - ratio)⌉ without binary rounding: 10·(1 - 0.7) is 3.0000000000000004 in floats."""
     cache = kvsieve.KVCache(model, "h2o", ratio=ratio, recent_ratio=0.0)
     with torch.no_grad():
-        model(prompt(length=length, seed=4), past_key_values=cache)
+        model(prompt(length=length, seed=4), **cache_kwargs(model, cache))
     managed = list(cache.info.managed_layers)
     assert (cache.head_lengths()[managed] == kept).all()
 

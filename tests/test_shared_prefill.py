@@ -8,6 +8,7 @@ from helpers import left_pad, prompt
 
 import kvsieve
 from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.transformers_adapter import cache_kwargs
 
 #: (policy, params): every scoring family, a budget allocator, a decode-schedule policy and a full cache.
 SPECS = [
@@ -49,14 +50,14 @@ def test_every_cache_matches_its_own_prefill_and_decodes_the_same(model):
     out = prefill_shared(model, ids, shared)
     for (name, params), cache in zip(SPECS, shared, strict=True):
         alone = kvsieve.KVCache(model, name, **params)
-        own = model(input_ids=ids, past_key_values=alone, use_cache=True)
+        own = model(input_ids=ids, **cache_kwargs(model, alone), use_cache=True)
         assert torch.equal(out.logits, own.logits), name
         _assert_same_state(cache, alone)
         # Both continue identically (policies that act at decoding included).
         nxt = own.logits[:, -1:].argmax(-1)
         for _ in range(3):
-            la = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-            lb = model(input_ids=nxt, past_key_values=alone, use_cache=True).logits
+            la = model(input_ids=nxt, **cache_kwargs(model, cache), use_cache=True).logits
+            lb = model(input_ids=nxt, **cache_kwargs(model, alone), use_cache=True).logits
             assert torch.equal(la, lb), name
             nxt = la[:, -1:].argmax(-1)
     # Nothing is left linking the caches.
@@ -70,7 +71,7 @@ def test_left_padded_batch(model):
     out = prefill_shared(model, ids, shared, attention_mask=mask)
     for (name, params), cache in zip(specs, shared, strict=True):
         alone = kvsieve.KVCache(model, name, **params)
-        own = model(input_ids=ids, attention_mask=mask, past_key_values=alone, use_cache=True)
+        own = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, alone), use_cache=True)
         assert torch.equal(out.logits, own.logits)
         _assert_same_state(cache, alone)
 
@@ -92,7 +93,7 @@ def test_rejects_unshareable_caches_before_any_work(model, make, match):
 
 def test_rejects_used_cache_and_short_prompt(model):
     used = kvsieve.KVCache(model, "tova", budget=8)
-    model(input_ids=prompt(length=12), past_key_values=used, use_cache=True)
+    model(input_ids=prompt(length=12), **cache_kwargs(model, used), use_cache=True)
     fresh = kvsieve.KVCache(model, "h2o", budget=8)
     with pytest.raises(ValueError, match=r"caches\[1\] is not empty"):
         prefill_shared(model, prompt(length=20), [fresh, used])

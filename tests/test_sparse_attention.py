@@ -30,6 +30,7 @@ from kvsieve.parts.selectors.base import Selection
 from kvsieve.parts.selectors.hsa import hsa_shape
 from kvsieve.parts.selectors.quest import page_upper_bounds
 from kvsieve.parts.selectors.sparse import SelectionState, page_valid, rocket_split
+from kvsieve.transformers_adapter import cache_kwargs
 
 SELECTION_PRESETS = ("quest", "sparq", "hsa", "rocketkv", "rocketkv_mt")
 STEPS = 6
@@ -333,7 +334,7 @@ def test_rocketkv_mt_holds_everything_and_refilters_each_turn():
     turn2 = torch.cat([seq, prompt(batch=1, length=30, seed=7)], dim=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.generate(turn2, max_new_tokens=3, do_sample=False, past_key_values=cache)
+        model.generate(turn2, max_new_tokens=3, do_sample=False, **cache_kwargs(model, cache))
     held = int(cache.head_lengths()[0, 0, 0])
     assert held == 184 + 2
     marks = cache.layers[0].store.dense().extras[STAGE1_KEEP.name]

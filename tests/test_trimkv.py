@@ -15,6 +15,7 @@ from kvsieve.gates import B_OUT_INIT, GateConfig, GateMismatchError, RetentionGa
 from kvsieve.parts.scorers.retention import log_horizon, retention_score
 from kvsieve.train import TrainConfig, capacity_loss, dense_gated_attention, gated_attention, train_gates
 from kvsieve.train.student import GateContext, student_mode
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 def _gates(model: torch.nn.Module, tied: bool = True, spread: bool = True, seed: int = 0) -> RetentionGates:
@@ -113,9 +114,9 @@ def test_fresh_gates_with_budget_covering_everything_equal_full_cache(policy):
     model, ref = build_model("llama"), build_model("llama")
     ids = prompt(batch=2, length=20)
     cache = kvsieve.KVCache(model, policy, budget=64, gates=_gates(model, spread=False))
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache, output_logits=True,
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, **cache_kwargs(model, cache), output_logits=True,
                          return_dict_in_generate=True)
-    full = ref.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(), output_logits=True,
+    full = ref.generate(ids, max_new_tokens=8, do_sample=False, **cache_kwargs(model, DynamicCache()), output_logits=True,
                         return_dict_in_generate=True)
     assert torch.equal(out.sequences, full.sequences)
     for a, b in zip(out.logits, full.logits, strict=True):
@@ -127,11 +128,11 @@ def test_dbtrimkv_holds_exactly_the_global_budget_ragged_every_step():
     budget, layers, heads = 12, model.config.num_hidden_layers, model.config.num_key_value_heads
     ids = prompt(batch=2, length=40, seed=3)
     cache = kvsieve.KVCache(model, "dbtrimkv", budget=budget, buffer=0, window=2, gates=_gates(model))
-    out = model(ids, past_key_values=cache)
+    out = model(ids, **cache_kwargs(model, cache))
     token = out.logits[:, -1:].argmax(-1)
     seen_ragged = False
     for _ in range(10):
-        out = model(token, past_key_values=cache)
+        out = model(token, **cache_kwargs(model, cache))
         token = out.logits[:, -1:].argmax(-1)
         lengths = cache.head_lengths()  # (layers, batch, heads)
         assert lengths.sum(dim=(0, 2)).tolist() == [layers * heads * budget] * 2
@@ -148,8 +149,8 @@ def test_trimkv_holds_budget_per_head_and_keeps_the_highest_scores():
     gates = _gates(model, tied=False)
     ids = prompt(batch=1, length=30, seed=5)
     cache = kvsieve.KVCache(model, "trimkv", budget=10, window=0, lookahead=1, gates=gates)
-    model(ids, past_key_values=cache)
-    model(ids[:, -1:] * 0 + 7, past_key_values=cache)  # the prompt's compaction is applied here, then 1 more
+    model(ids, **cache_kwargs(model, cache))
+    model(ids[:, -1:] * 0 + 7, **cache_kwargs(model, cache))  # the prompt's compaction is applied here, then 1 more
     cache.flush()
     assert cache.head_lengths().max() <= 10 + 16
     # the prompt compaction kept, per head, the top-10 log β·(t + 1 − i) of the 30 prompt tokens
@@ -160,7 +161,7 @@ def test_trimkv_holds_budget_per_head_and_keeps_the_highest_scores():
             hidden[module.layer_idx] = kwargs["hidden_states"]
 
         handles = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
-        model(ids, past_key_values=DynamicCache())
+        model(ids, **cache_kwargs(model, DynamicCache()))
         for handle in handles:
             handle.remove()
     for layer in range(model.config.num_hidden_layers):
@@ -177,9 +178,9 @@ def test_dbtrimkv_batch_rows_are_independent():
     gates = _gates(model)
     a, b = prompt(1, 30, seed=1), prompt(1, 30, seed=2)
     both = kvsieve.KVCache(model, "dbtrimkv", budget=8, window=1, gates=gates)
-    model(torch.cat([a, b]), past_key_values=both)
+    model(torch.cat([a, b]), **cache_kwargs(model, both))
     alone = kvsieve.KVCache(model, "dbtrimkv", budget=8, window=1, gates=gates)
-    model(b, past_key_values=alone)
+    model(b, **cache_kwargs(model, alone))
     for layer in range(model.config.num_hidden_layers):
         for head in range(model.config.num_key_value_heads):
             assert torch.equal(both.kept_positions(layer, 1, head), alone.kept_positions(layer, 0, head))
@@ -263,7 +264,7 @@ def test_shared_prefill_feeds_layer_inputs_to_followers_of_a_full_lead():
     kvsieve.prefill_shared(model, ids, [lead, *followers])
     for policy, shared in zip(("dbtrimkv", "trimkv"), followers, strict=True):
         alone = kvsieve.KVCache(model, policy, budget=6, window=1, gates=gates)
-        model(ids, past_key_values=alone)
+        model(ids, **cache_kwargs(model, alone))
         assert torch.equal(shared.head_lengths(), alone.head_lengths())
         for layer in range(model.config.num_hidden_layers):
             assert torch.equal(shared.kept_positions(layer, 1, 1), alone.kept_positions(layer, 1, 1))

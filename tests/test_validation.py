@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvsieve
 from kvsieve import PolicyConfigError, UnknownPolicyError, UnsupportedArchitectureError
+from kvsieve.transformers_adapter import cache_kwargs
 
 BAD_PARAMS = [
     pytest.param("snapkv", {"budget": 0, "window": 0}, "budget", id="budget-0"),
@@ -130,7 +131,7 @@ def test_policy_object_is_accepted(model):
     policy = kvsieve.make_policy("snapkv", budget=8, window=4)
     cache = kvsieve.KVCache(model, policy)
     assert cache.policy is policy
-    model(prompt(length=16), past_key_values=cache)
+    model(prompt(length=16), **cache_kwargs(model, cache))
     assert int(cache.head_lengths().max()) <= 16
 
 
@@ -152,17 +153,17 @@ def test_policy_objects_validate_on_construction():
 def test_wrong_batch_size_raises_and_leaves_cache_unchanged(arch, model):
     ids = prompt(batch=2, length=20, seed=60)
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
-    out = model(ids, past_key_values=cache)
+    out = model(ids, **cache_kwargs(model, cache))
     before, seen = cache.head_lengths(), cache.get_seq_length()
     kept = cache.kept_positions(0, 1, 1)
     for bad in (ids[:1, -1:], torch.cat([ids, ids])[:, -1:]):
         with pytest.raises(ValueError, match="batch size"):
-            model(bad, past_key_values=cache)
+            model(bad, **cache_kwargs(model, cache))
         assert torch.equal(cache.head_lengths(), before)
         assert cache.get_seq_length() == seen
         assert torch.equal(cache.kept_positions(0, 1, 1), kept)
     # and it still works with the right batch afterwards
-    model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache))
     assert cache.get_seq_length() == seen + 1
 
 
@@ -179,19 +180,19 @@ def test_inspection_before_any_forward_raises(model):
 def test_reset_makes_the_cache_reusable(model):
     ids = prompt(batch=2, length=20, seed=61)
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
-    first = model(ids, past_key_values=cache).logits
+    first = model(ids, **cache_kwargs(model, cache)).logits
     cache.reset()
     assert cache.get_seq_length() == 0
     one = prompt(batch=1, length=12, seed=62)  # another batch size is fine after a reset
-    model(one, past_key_values=cache)
+    model(one, **cache_kwargs(model, cache))
     assert cache.head_lengths().shape[1] == 1
     cache.reset()
-    assert torch.equal(model(ids, past_key_values=cache).logits, first)
+    assert torch.equal(model(ids, **cache_kwargs(model, cache)).logits, first)
 
 
 def test_evicting_caches_refuse_to_crop_and_say_what_to_do(model):
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
-    model(prompt(length=16), past_key_values=cache)
+    model(prompt(length=16), **cache_kwargs(model, cache))
     assert not cache.is_croppable
     with pytest.raises(NotImplementedError, match="assistant"):
         cache.crop(4)
@@ -201,15 +202,16 @@ def test_full_cache_crops_exactly(model):
     """Rollback (assisted generation) of a cache that never evicts: equal to never having seen the tokens."""
     ids = prompt(length=12)
     cropped = kvsieve.KVCache(model, "full")
-    model(ids, past_key_values=cropped)
-    model(prompt(length=3, seed=4), past_key_values=cropped)
+    model(ids, **cache_kwargs(model, cropped))
+    model(prompt(length=3, seed=4), **cache_kwargs(model, cropped))
     assert cropped.is_croppable
     cropped.crop(-3)
     assert cropped.get_seq_length() == 12
     fresh = kvsieve.KVCache(model, "full")
-    model(ids, past_key_values=fresh)
+    model(ids, **cache_kwargs(model, fresh))
     token = prompt(length=1, seed=9)
-    assert torch.equal(model(token, past_key_values=cropped).logits, model(token, past_key_values=fresh).logits)
+    cropped_logits = model(token, **cache_kwargs(model, cropped)).logits
+    assert torch.equal(cropped_logits, model(token, **cache_kwargs(model, fresh)).logits)
 
 
 def test_full_takes_no_budget_and_empty_name_is_unknown(fresh_model):
@@ -244,9 +246,9 @@ def test_grad_enabled_is_refused_before_anything_is_stored(fresh_model):
     model = fresh_model("llama")
     cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
     with torch.enable_grad(), pytest.raises(RuntimeError, match="no_grad"):
-        model(prompt(length=12), past_key_values=cache)
+        model(prompt(length=12), **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 0
-    model(prompt(length=12), past_key_values=cache)  # and it works without grad
+    model(prompt(length=12), **cache_kwargs(model, cache))  # and it works without grad
     assert cache.get_seq_length() == 12
 
 
@@ -255,12 +257,12 @@ def test_cache_of_another_model_is_refused(fresh_model):
     cache = kvsieve.KVCache(a, "snapkv", budget=8, window=4)
     kvsieve.prepare_model(b)
     with pytest.raises(ValueError, match="another model"):
-        b(prompt(length=12), past_key_values=cache)
+        b(prompt(length=12), **cache_kwargs(b, cache))
     assert cache.get_seq_length() == 0
     qwen3 = fresh_model("qwen3")
     kvsieve.prepare_model(qwen3)
     with pytest.raises(ValueError, match="one KVCache per model"):
-        qwen3(prompt(length=12), past_key_values=cache)
+        qwen3(prompt(length=12), **cache_kwargs(qwen3, cache))
 
 
 def test_cache_with_a_model_not_prepared_raises(fresh_model):
@@ -269,9 +271,9 @@ def test_cache_with_a_model_not_prepared_raises(fresh_model):
     model = fresh_model("llama")
     cache = kvsieve.KVCache(model, "full")
     model.set_attn_implementation("sdpa")
-    out = model(prompt(length=8), past_key_values=cache)
+    out = model(prompt(length=8), **cache_kwargs(model, cache))
     with pytest.raises(RuntimeError, match="kvsieve"):
-        model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+        model(out.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache))
 
 
 # --------------------------------------------------------------------------- validation gaps (src bugs)
@@ -310,7 +312,7 @@ def test_inspection_rejects_out_of_range_indices(batch_idx, head):
 
     model = get_model("llama", "kv")
     cache = kvsieve.KVCache(model, "snapkv", budget=6, window=2)
-    model(prompt(batch=2, length=16, seed=63), past_key_values=cache)
+    model(prompt(batch=2, length=16, seed=63), **cache_kwargs(model, cache))
     batch, heads = 2, cache.info.num_kv_heads
     in_range = -batch <= batch_idx < batch and -heads <= head < heads
     if in_range:
@@ -337,8 +339,8 @@ def test_a_chunked_prompt_is_one_prompt(model, policy, params):
     chunked = kvsieve.KVCache(model, policy, budget=12, **params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out_whole = model.generate(ids, past_key_values=whole, max_new_tokens=3, do_sample=False)
-        out_chunked = model.generate(ids, past_key_values=chunked, max_new_tokens=3, do_sample=False,
+        out_whole = model.generate(ids, **cache_kwargs(model, whole), max_new_tokens=3, do_sample=False)
+        out_chunked = model.generate(ids, **cache_kwargs(model, chunked), max_new_tokens=3, do_sample=False,
                                      prefill_chunk_size=16)
     assert torch.equal(out_whole, out_chunked)
     assert chunked.compactions == whole.compactions
@@ -351,7 +353,7 @@ def test_the_no_compression_warning_speaks_of_the_forward(model):
     cache = kvsieve.KVCache(model, "snapkv", budget=16, window=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model(prompt(length=12), past_key_values=cache)
+        model(prompt(length=12), **cache_kwargs(model, cache))
     messages = [str(w.message) for w in caught if "kvsieve" in str(w.message)]
     assert len(messages) == 1 and "in this prompt forward" in messages[0] and "keeps every entry" not in messages[0]
 

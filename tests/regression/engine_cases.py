@@ -48,6 +48,7 @@ from helpers import left_pad, prompt
 from safetensors.torch import load_file
 
 import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 JSON_PATH = DATA_DIR / "engine_golden.json"
@@ -379,7 +380,7 @@ def run_case(
                 raise ValueError(f"unknown op {op!r}")
             if op[0] != "prompt" and cur_mask is not None:
                 cur_mask = torch.cat([cur_mask, torch.ones_like(inp)], dim=1)
-            out = model(inp, attention_mask=cur_mask, past_key_values=cache)
+            out = model(inp, attention_mask=cur_mask, **cache_kwargs(model, cache))
             track.record(cache, out.logits[:, -1])
     return tracks
 

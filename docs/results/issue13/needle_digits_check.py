@@ -8,6 +8,7 @@ import torch
 
 import kvsieve
 from kvsieve.eval.niah import make_passkey_sample
+from kvsieve.transformers_adapter import cache_kwargs
 
 torch.set_num_threads(1)
 model, tokenizer = kvsieve.load_default_model()
@@ -19,7 +20,7 @@ print("digit positions", digits, [tokenizer.decode([sample.prompt_ids[i]]) for i
 for name in ("snapkv", "restkv"):
     cache = kvsieve.KVCache(model, name, budget=896)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
     cache.flush()
     missing = dict.fromkeys(digits, 0)
     for layer in range(model.config.num_hidden_layers):

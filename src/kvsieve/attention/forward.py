@@ -12,41 +12,24 @@ weights (``output_attentions`` under ``eager``) included.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvsieve.attention.masks import KvsieveMask
+from kvsieve.transformers_adapter import attention_function, module_eager_attention
 
 #: Attribute that ``KVCache`` layers set on the key tensor they return from ``update``.
 LAYER_TAG = "_kvsieve_layer"
-
-
-def module_eager_attention(module: torch.nn.Module) -> Callable[..., Any]:
-    """The ``eager_attention_forward`` the module's own ``forward`` falls back to (its modeling file's).
-
-    Each modeling file has its own (Gemma3's soft-caps), and the model resolves the name in the globals
-    of the function that defines ``forward``: so does this.
-    """
-    forward = inspect.unwrap(type(module).forward)
-    eager = getattr(forward, "__globals__", {}).get("eager_attention_forward")
-    if eager is None:
-        raise RuntimeError(
-            f"kvsieve: cannot find the eager attention of {type(module).__name__} (no eager_attention_forward "
-            "next to its forward); load the model with attn_implementation='sdpa'"
-        )
-    return eager
 
 
 def original_attention(original: str, module: torch.nn.Module) -> Callable[..., Any]:
     """What the untouched model would call: ``ALL_ATTENTION_FUNCTIONS[original]``, or the module's eager."""
     if original == "eager":
         return module_eager_attention(module)
-    return ALL_ATTENTION_FUNCTIONS[original]
+    return attention_function(original)
 
 
 def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvsieve.transformers_adapter import sdpa_attention
 
 #: Queries per block when summing attention columns over many queries.
 QUERY_BLOCK = 256
@@ -124,8 +125,7 @@ def attend(
             # keys already stored per query head (``expand_gqa``): transformers' wrapper would repeat them again
             out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
             return out.transpose(1, 2).contiguous()
-        output, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=scaling)
-        return output
+        return sdpa_attention(module, query, keys, values, mask, scaling)
     batch, q_heads, _, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads

@@ -12,11 +12,11 @@ gets exactly the mask, and so exactly the outputs, of the untouched model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from kvsieve.transformers_adapter import bind_mask_arguments, mask_function
 
 
 class KvsieveMask:
@@ -28,11 +28,16 @@ class KvsieveMask:
       ``is_causal``), built on first use from the arguments transformers passed, then kept.
 
     transformers never inspects a prepared mask: models hand it to the attention function as is. The
-    two places that touch it are mirrored: ``generate`` with a compileable cache (``StaticCache``)
-    prepares the masks ahead and calls ``.contiguous()`` on them, which here returns what the original
-    implementation returns there (its mask made contiguous, or None); accelerate's device hooks call
-    ``.to(device)``, which moves both masks.
+    places that touch it are mirrored (adapter contact 5): ``generate`` with a compileable cache
+    (``StaticCache``) prepares the masks ahead — up to 5.23 it calls ``.contiguous()`` on them, which
+    here returns what the original implementation returns there (its mask made contiguous, or None);
+    from 5.24 it passes the object back into the forward, whose mask preprocessing reads ``.ndim`` (4:
+    a prepared mask, not a 2-D padding mask to convert) and calls the mask function with it, which
+    returns it unchanged. accelerate's device hooks call ``.to(device)``, which moves both masks.
     """
+
+    #: Stands for a prepared 4-D mask (transformers' mask preprocessing converts only 2-D masks).
+    ndim = 4
 
     __slots__ = ("_build", "_mask", "_source", "_to", "padding")
 
@@ -76,32 +81,28 @@ class KvsieveMask:
 def lazy_mask_function(original: str) -> Callable[..., KvsieveMask]:
     """The mask-interface entry of the kvsieve variant of ``original`` (``"sdpa"`` or ``"eager"``).
 
-    It receives exactly the arguments transformers gives ``original``'s mask function (``batch_size``,
-    ``q_length``, ``kv_length``, offsets, ``mask_function``, ``attention_mask``, ``local_size``,
-    ``allow_is_causal_skip``, ``dtype``, ``config``, ``device``...) and keeps them for
+    It receives exactly the arguments transformers gives ``original``'s mask function (their layout
+    depends on the version: the adapter binds them by name) and keeps them for
     :meth:`KvsieveMask.original`; the 2-D ``attention_mask`` among them is the kvsieve path's padding.
     """
 
     def kvsieve_mask(*args: Any, **kwargs: Any) -> KvsieveMask:
-        padding = args[6] if len(args) > 6 else kwargs.get("attention_mask")
+        arguments = bind_mask_arguments(original, args, kwargs)
+        padding = arguments.get("attention_mask")
+        if isinstance(padding, KvsieveMask):  # prepared ahead by ``generate`` (5.24+): already this step's mask
+            return padding
         # Built after layer 0 updated the cache: a static cache's offset is its length tensor, advanced in
-        # place by that update, so tensor offsets are snapshot now (the 2-D mask is never written to).
-        args = tuple(_snapshot(a) if i in (3, 4) else a for i, a in enumerate(args))
-        kwargs = {k: _snapshot(v) if k in ("q_offset", "kv_offset") else v for k, v in kwargs.items()}
-        build = partial(_build_original, original, args, kwargs)
-        return KvsieveMask(padding, build)
+        # place by that update, so the bound arguments hold copies of tensor offsets (the 2-D mask is never
+        # written to).
+        return KvsieveMask(padding, lambda: _build_original(original, arguments))
 
     kvsieve_mask.__name__ = kvsieve_mask.__qualname__ = f"kvsieve_{original}_mask"
     return kvsieve_mask
 
 
-def _snapshot(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _build_original(original: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _build_original(original: str, arguments: dict[str, Any]) -> Any:
     # looked up when built, as the untouched model looks it up when it builds its mask
-    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, **kwargs)
+    return mask_function(original)(**arguments)
 
 
 def padding_from_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

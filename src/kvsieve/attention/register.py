@@ -11,11 +11,16 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from kvsieve.attention.forward import kvsieve_attention_forward, make_attention_forward
 from kvsieve.attention.masks import lazy_mask_function
+from kvsieve.transformers_adapter import (
+    attention_implementation,
+    set_attention_implementation,
+)
+from kvsieve.transformers_adapter import (
+    register_attention as register_with_transformers,
+)
 
 ATTENTION_NAME = "kvsieve"
 
@@ -34,8 +39,7 @@ _MASKS = {name: lazy_mask_function(original) for original, name in VARIANTS.item
 def register_attention() -> None:
     """Register the kvsieve names in transformers' attention and mask interfaces (idempotent)."""
     for name in VARIANTS.values():
-        AttentionInterface.register(name, _FORWARDS[name])
-        AttentionMaskInterface.register(name, _MASKS[name])
+        register_with_transformers(name, _FORWARDS[name], _MASKS[name])
 
 
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -47,7 +51,7 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     without a kvsieve cache) and a warning says so.
     """
     register_attention()
-    current = getattr(model.config, "_attn_implementation", None)
+    current = attention_implementation(model)
     if current in ORIGINALS:
         return model
     name = VARIANTS.get(current or "sdpa")
@@ -60,5 +64,5 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
             stacklevel=2,
         )
         name = ATTENTION_NAME
-    model.set_attn_implementation(name)
+    set_attention_implementation(model, name)
     return model

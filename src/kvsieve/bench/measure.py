@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.eval.haystack import load_essays
+from kvsieve.transformers_adapter import cache_kwargs
 
 FULL = "full"
 
@@ -51,7 +52,7 @@ def timed_prefill(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tupl
     """Seconds for the prompt forward (with compression), and the greedy next token ``(batch, 1)``."""
     _synchronize(ids.device)
     start = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     if isinstance(cache, KVCache):
         cache.flush()  # the prompt's compaction (it would otherwise run at the first decoding step)
     _synchronize(ids.device)
@@ -65,7 +66,7 @@ def decode_latencies(
     latencies = []
     for _ in range(steps):
         start = time.perf_counter()
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
         _synchronize(token.device)
         latencies.append(time.perf_counter() - start)
     return latencies, token

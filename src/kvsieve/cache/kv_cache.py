@@ -3,7 +3,7 @@
 Use it like any cache::
 
     cache = KVCache(model, "snapkv", budget=256)
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before transformers 5.24
 
 The cache reports the *logical* length (tokens seen) to transformers, so position ids, RoPE and
 ``generate`` stay right after eviction, and keeps the *physical* entries apart, with their absolute
@@ -16,7 +16,6 @@ import copy
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvsieve.attention.forward import LAYER_TAG
 from kvsieve.attention.register import prepare_model
@@ -27,6 +26,7 @@ from kvsieve.models.architectures import ModelInfo, model_info
 from kvsieve.parts.selectors.sparse import SelectionState
 from kvsieve.policies.policy import Policy
 from kvsieve.policies.presets import make_policy
+from kvsieve.transformers_adapter import Cache, CacheLayerMixin
 
 
 class KVLayer(CacheLayerMixin):
@@ -150,6 +150,10 @@ class KVLayer(CacheLayerMixin):
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        """No fixed capacity (an abstract method of transformers 5.0–5.2's layer base class)."""
         return -1
 
     def reset(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvsieve.cache.kv_cache import KVCache
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 def check_shareable(model: torch.nn.Module, caches: Sequence[KVCache]) -> None:
@@ -47,7 +48,7 @@ def check_shareable(model: torch.nn.Module, caches: Sequence[KVCache]) -> None:
 def prefill_shared(
     model: torch.nn.Module, input_ids: torch.Tensor, caches: Sequence[KVCache], **forward_kwargs: Any
 ) -> Any:
-    """Run ``model(input_ids, past_key_values=caches[0], ...)`` once and fill every cache from it.
+    """Run ``model(input_ids, cache=caches[0], ...)`` once and fill every cache from it.
 
     Args:
         model: the model every cache was built for.
@@ -66,7 +67,7 @@ def prefill_shared(
         layer.followers = [c.layers[idx] for c in followers]
     try:
         with torch.no_grad():  # a KVCache does not support autograd
-            return model(input_ids=input_ids, past_key_values=lead, use_cache=True, **forward_kwargs)
+            return model(input_ids=input_ids, **cache_kwargs(model, lead), use_cache=True, **forward_kwargs)
     except BaseException:
         for cache in caches:
             cache.reset()

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvsieve.attention.kernel import attend, output_mask
 from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
@@ -37,6 +36,7 @@ from kvsieve.engine.step import LAYER_INPUTS, LayerStep
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.selectors.base import Selection
 from kvsieve.policies.policy import Policy
+from kvsieve.transformers_adapter import sdpa_attention
 
 
 class LayerState(Protocol):
@@ -229,7 +229,7 @@ class Engine:
         step = self._append(layer, module, query, new_keys, new_values, pad, scaling, sliding_window, inputs)
         if first:
             mask = dense_causal_mask(step.q_len, step.q_len, pad, sliding_window, query.device)
-            output, _ = sdpa_attention_forward(module, query, new_keys, new_values, mask, scaling=scaling)
+            output = sdpa_attention(module, query, new_keys, new_values, mask, scaling)
         else:
             output = self._attend_held(layer, step, module, sliding_window)
         self._after_output(layer, step, sliding_window)

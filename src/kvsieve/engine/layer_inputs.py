@@ -3,8 +3,9 @@
 Learned retention gates (TrimKV/DBTrimKV) score a token from the hidden state its layer's attention
 reads. kvsieve captures it without patching any class and without request state on modules: one
 *stateless* forward pre-hook per attention module (registered on that model instance, once, only when
-a policy asks for layer inputs) reads the ``hidden_states`` and ``past_key_values`` keyword arguments
-transformers passes to the attention module, and hands the hidden states to that request's cache —
+a policy asks for layer inputs) reads the ``hidden_states`` and cache keyword arguments (``cache=`` or
+``past_key_values=``, whichever the installed transformers passes to the attention module), and hands
+the hidden states to that request's cache —
 whatever lives on the module is the same for every request.
 """
 
@@ -15,13 +16,14 @@ from typing import Any
 import torch
 
 from kvsieve.models.architectures import architecture_of, decoder_layers
+from kvsieve.transformers_adapter import cache_argument
 
 #: Attribute marking an attention module that already has the kvsieve input hook.
 HOOK_MARK = "_kvsieve_input_hook"
 
 
 def _capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    cache = kwargs.get("past_key_values")
+    cache = cache_argument(kwargs)
     receive = getattr(cache, "receive_layer_inputs", None)
     if receive is None:
         return

@@ -45,6 +45,7 @@ from kvsieve.bench.measure import cache_stats
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.eval.haystack import load_essay_texts
+from kvsieve.transformers_adapter import cache_kwargs
 
 PREFIX = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -220,7 +221,7 @@ def _new_cache(model: PreTrainedModel, make_cache: Callable[[], Cache | None]) -
 def _forward(model: PreTrainedModel, ids: Sequence[int], cache: Cache, keep: int) -> torch.Tensor:
     """Float32 logits ``[tokens, vocab]`` of the last ``keep`` positions (0 = all) after feeding ``ids``."""
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    out = model(input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
     if len(ids) > 1 and isinstance(cache, KVCache):
         cache.flush()  # each prompt is compressed now, inside the timed prefill
     return out.logits[0].float()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvsieve.policies.registry import make_policy
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 def _split_name(name: str) -> tuple[str, int | None]:
@@ -93,9 +94,9 @@ def _warm_up(model: Any, caches: list[Any]) -> None:
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "nothing was compressed": the warm-up prompt may fit the budget
         for cache in [DynamicCache(config=model.config), *caches]:
-            token = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            token = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             for _ in range(2):
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
 
 
 def _cpu_model() -> str:

@@ -17,6 +17,7 @@ from transformers import Cache, PreTrainedModel
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.eval.metrics import coarse_kl_per_position, top_logprobs
 from kvsieve.policies.policy import Policy
+from kvsieve.transformers_adapter import cache_kwargs
 
 
 def forward_logits(model: torch.nn.Module, ids: Sequence[int], cache: object, keep: int = 1) -> torch.Tensor:
@@ -27,7 +28,7 @@ def forward_logits(model: torch.nn.Module, ids: Sequence[int], cache: object, ke
     the next forward sees what decoding would see, and prefill timings include the compression.
     """
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    out = model(input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
     if len(ids) > 1 and isinstance(cache, KVCache):
         cache.flush()
     return out.logits[0].float()

@@ -30,6 +30,7 @@ from kvsieve.cache.kv_cache import KVCache
 from kvsieve.generation.prompt import PromptFormat, prompt_format
 from kvsieve.models.architectures import model_info
 from kvsieve.policies.registry import make_policy
+from kvsieve.transformers_adapter import cache_kwargs
 
 FULL = "full"
 
@@ -154,8 +155,8 @@ class CompressedContext:
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         with torch.inference_mode():
             started = time.perf_counter()
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                logits_to_keep=1, **cache_kwargs(self.model, cache)).logits[:, -1]
             token = logits.argmax(-1)
             question_s = time.perf_counter() - started
             started = time.perf_counter()
@@ -174,7 +175,7 @@ class CompressedContext:
                     break
                 mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=1)
                 logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                                    past_key_values=cache, use_cache=True).logits[:, -1]
+                                    **cache_kwargs(self.model, cache), use_cache=True).logits[:, -1]
                 token = logits.argmax(-1)
                 next_pos = next_pos + 1
             decode_s = time.perf_counter() - started
@@ -233,7 +234,7 @@ def compress_context(
         raise ValueError(f"context: {ids.shape[1]} tokens do not fit the model's {limit} positions")
     with torch.inference_mode():
         started = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         if isinstance(cache, KVCache):
             cache.flush()  # the compaction belongs to the prefill
         prefill_s = time.perf_counter() - started

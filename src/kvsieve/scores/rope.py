@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from kvsieve.transformers_adapter import rope_init
+
 #: Rope types whose table does not depend on the sequence length (transformers' names).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -72,10 +74,7 @@ def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu"
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+        inv_freq, scaling = rope_init(rope_type, config, layer_type)
     rotary_dim = 2 * inv_freq.shape[0]
     if rotary_dim > head_dim or rotary_dim % 2:
         raise UnsupportedRotaryError(f"rotary dim {rotary_dim} does not fit head_dim {head_dim}")

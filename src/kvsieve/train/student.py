@@ -18,12 +18,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvsieve.gates.retention import RetentionGates
 from kvsieve.models.architectures import architecture_of, decoder_layers, model_info
 from kvsieve.train.gated_attention import gated_attention
+from kvsieve.transformers_adapter import (
+    attention_implementation,
+    register_attention,
+    sdpa_attention,
+    set_attention_implementation,
+)
 
 ATTENTION_NAME = "kvsieve_retention_train"
 
@@ -50,8 +54,7 @@ def _attention(
 ) -> tuple[torch.Tensor, None]:
     ctx = kwargs.pop("gate_context", None)
     if not isinstance(ctx, GateContext):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs), None
     log_beta = ctx.log_beta.pop(module.layer_idx)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out, mass = gated_attention(query, key, value, log_beta, scale, ctx.block_size)
@@ -68,16 +71,16 @@ def student_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     if getattr(model.config, "attn_logit_softcapping", None):
         raise ValueError("kvsieve train: models with attention logit soft-capping are not supported")
     spec = architecture_of(model)
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    previous = model.config._attn_implementation
+    register_attention(ATTENTION_NAME, _attention)
+    previous = attention_implementation(model)
     handles = [
         getattr(layer, spec.attention_attr).register_forward_pre_hook(_hook, with_kwargs=True)
         for layer in decoder_layers(model, spec)
     ]
-    model.set_attn_implementation(ATTENTION_NAME)
+    set_attention_implementation(model, ATTENTION_NAME)
     try:
         yield model
     finally:
         for handle in handles:
             handle.remove()
-        model.set_attn_implementation(previous)
+        set_attention_implementation(model, previous)

@@ -1,12 +1,18 @@
 """EMS App. E statistic on the default model: of the kept non-window entries (top B − w by the Global-Local
 score), the share whose score comes from the mean-aligned global term (s_glo·mean(s_loc)/mean(s_glo) > s_loc)."""
-import sys, torch
+import sys
+
+import torch
+
 torch.set_num_threads(1)
 from dataclasses import dataclass
+
 import kvsieve
 from kvsieve.eval.tasks import TASKS
-from kvsieve.parts.scorers.global_local import GlobalLocal, GLOBAL, LOCAL_PAST, LOCAL_CUR
+from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, GlobalLocal
 from kvsieve.policies import Policy
+from kvsieve.transformers_adapter import cache_kwargs
+
 SHARE = []
 @dataclass(frozen=True)
 class Split(GlobalLocal):
@@ -27,7 +33,7 @@ for task in sys.argv[2:]:
     sample = TASKS[task].make_sample(tok, 2048, 0, 0)
     cache = kvsieve.KVCache(model, Policy(scorer=Split(), budget=int(sys.argv[1]), schedule="prefill", name="split"))
     with torch.no_grad():
-        model(torch.tensor([sample.prompt_ids]), past_key_values=cache, logits_to_keep=1)
+        model(torch.tensor([sample.prompt_ids]), **cache_kwargs(model, cache), logits_to_keep=1)
     cache.flush()
     print(task, "budget", sys.argv[1], "global share of kept centres, mean over layers %.2f" % (sum(SHARE) / len(SHARE)),
           "per layer", [round(s, 2) for s in SHARE])

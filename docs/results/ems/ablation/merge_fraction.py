@@ -1,12 +1,19 @@
-import sys, torch, time
+import sys
+import time
+
+import torch
+
 torch.set_num_threads(1)
-import kvsieve
 from dataclasses import dataclass
+
+import kvsieve
+from kvsieve.engine.step import MERGE_COUNT
 from kvsieve.eval.tasks import TASKS
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
 from kvsieve.parts.scorers.global_local import GlobalLocal
 from kvsieve.policies import Policy
-from kvsieve.engine.step import MERGE_COUNT
+from kvsieve.transformers_adapter import cache_kwargs
+
 STATS = []
 @dataclass(frozen=True)
 class Rec(EvictThenMerge):
@@ -24,7 +31,7 @@ pol = Policy(scorer=GlobalLocal(), action=Rec(tau=float(sys.argv[3])), budget=bu
 cache = kvsieve.KVCache(model, pol)
 t=time.time()
 with torch.no_grad():
-    model(ids, past_key_values=cache, logits_to_keep=1)
+    model(ids, **cache_kwargs(model, cache), logits_to_keep=1)
 cache.flush()
 print("prefill", time.time()-t)
 L = ids.shape[1]

@@ -1,11 +1,12 @@
-import sys, torch, time
+import sys
+
+import torch
+
 torch.set_num_threads(1)
 import kvsieve
-from kvsieve.eval.tasks import TASKS
 from kvsieve.cache.shared_prefill import prefill_shared
-from kvsieve.parts.scorers.global_local import GlobalLocal, GLOBAL, LOCAL_PAST
-from kvsieve.parts.actions.evict_merge import EvictThenMerge
-from kvsieve.policies import Policy
+from kvsieve.eval.tasks import TASKS
+
 model, tok = kvsieve.load_default_model()
 sample = TASKS[sys.argv[1]].make_sample(tok, 2048, 0, 0)
 ids = torch.tensor([sample.prompt_ids])
@@ -47,9 +48,12 @@ print("overlap", ov)
 full = kvsieve.KVCache(model, "full")
 ans = torch.tensor([tok(sample.answer if hasattr(sample,'answer') else " " + ref, add_special_tokens=False).input_ids]) if False else torch.tensor([val_ids])
 import copy
+
+from kvsieve.transformers_adapter import cache_kwargs
+
 with torch.no_grad():
-    model(ids, past_key_values=full)
-    lf = model(ans, past_key_values=full).logits.log_softmax(-1)
+    model(ids, **cache_kwargs(model, full))
+    lf = model(ans, **cache_kwargs(model, full)).logits.log_softmax(-1)
     for name, c in caches.items():
-        lc = model(ans, past_key_values=copy.deepcopy(c)).logits.log_softmax(-1)
+        lc = model(ans, **cache_kwargs(model, copy.deepcopy(c))).logits.log_softmax(-1)
         print(name, "KL", float((lf.exp() * (lf - lc)).sum(-1).mean()))
