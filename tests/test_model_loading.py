@@ -162,3 +162,26 @@ def test_generate_command_on_a_model_folder(tiny_folder: Path, tmp_path: Path,
     assert "full " in table and "100.0%" in table and "snapkv@32" in table
     assert main(["generate", "--model", str(tiny_folder), "--context", str(doc), "--policy", "nope", "q"]) == 2
     assert main(["generate", "--model", str(tiny_folder), "--context", str(tmp_path / "missing.txt"), "q"]) == 2
+
+
+def test_folder_without_tokenizer_files_names_the_folder_before_any_weight(tmp_path: Path, tiny_folder: Path) -> None:
+    (tmp_path / "config.json").write_text((tiny_folder / "config.json").read_text())  # config only, no weights
+    with pytest.raises(kvsieve.TokenizerNotFoundError, match=rf"{tmp_path}.*no tokenizer files.*--tokenizer"):
+        kvsieve.load_model(str(tmp_path))
+    with pytest.raises(kvsieve.TokenizerNotFoundError, match=r"tokenizer folder .* has no tokenizer files"):
+        kvsieve.load_model(str(tiny_folder), tokenizer=str(tmp_path))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some context")
+    assert main(["generate", "--model", str(tmp_path), "--context", str(doc), "question"]) == 2
+
+
+def test_separate_tokenizer_folder(tmp_path: Path, tiny_folder: Path) -> None:
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (tiny_folder / name).exists():
+            (tmp_path / name).write_bytes((tiny_folder / name).read_bytes())
+    model, tokenizer = kvsieve.load_model(str(tmp_path), tokenizer=str(tiny_folder))
+    reference, reference_tokenizer = kvsieve.load_model(str(tiny_folder))
+    assert tokenizer("hello world").input_ids == reference_tokenizer("hello world").input_ids
+    assert torch.equal(next(model.parameters()), next(reference.parameters()))
+    with pytest.raises(ValueError, match="brings its own tokenizer"):
+        kvsieve.load_model("tiny-llama", tokenizer=str(tiny_folder))

@@ -70,8 +70,12 @@ def test_load_refuses_tampered_shapes(tmp_path):
 
 
 def test_missing_pretrained_gates_say_how_to_train():
-    with pytest.raises(FileNotFoundError, match="kvsieve train"):
-        kvsieve.KVCache(build_model("qwen3"), "dbtrimkv", budget=8)
+    model = build_model("qwen3")
+    model.config._name_or_path = "/models/my-qwen3"
+    before = model.config._attn_implementation
+    with pytest.raises(FileNotFoundError, match=r"kvsieve train --model /models/my-qwen3 --variant dbtrimkv"):
+        kvsieve.KVCache(model, "dbtrimkv", budget=8)
+    assert model.config._attn_implementation == before  # refused before the model was touched
 
 
 def test_bad_parameters_refused_before_touching_model():

@@ -9,7 +9,9 @@ from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from kvsieve.models.loading import ModelNotFoundError, TokenizerNotFoundError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
+from kvsieve.transformers_adapter import cache_kwargs
 
 __version__ = "0.1.0"
 
@@ -35,10 +37,13 @@ __all__ = [
     "CompressedContext",
     "ContextStats",
     "KVCache",
+    "ModelNotFoundError",
     "Policy",
     "PolicyConfigError",
+    "TokenizerNotFoundError",
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
+    "cache_kwargs",
     "compress_context",
     "list_policies",
     "load_default_model",

@@ -34,7 +34,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help=f"timed decoding steps (default {defaults.steps})")
     parser.add_argument("--warmup", type=int, help=f"untimed decoding steps first (default {defaults.warmup})")
     parser.add_argument("--repeats", type=int, help=f"alternating repeats; medians (default {defaults.repeats})")
-    add_model_arguments(parser, with_defaults=False)
+    add_model_arguments(parser, with_defaults=False, with_tokenizer=False)
     parser.add_argument("--threads", type=int, help=f"torch threads per run (default {defaults.threads})")
     parser.add_argument("--isolate-batches", action="store_true", default=None,
                         help="one fresh process per batch size too (prefill repeated per batch)")

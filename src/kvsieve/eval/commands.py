@@ -32,7 +32,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per worker (default cpu count / workers)")
     parser.add_argument("--backend", choices=BACKENDS, help="local processes (default) or Ray tasks")
     parser.add_argument("--address", help="Ray cluster address (default: start a local Ray instance)")
-    add_model_arguments(parser, with_defaults=False)
+    add_model_arguments(parser, with_defaults=False, with_tokenizer=False)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

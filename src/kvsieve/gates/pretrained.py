@@ -31,10 +31,13 @@ def pretrained_stem(model: torch.nn.Module, variant: str) -> Path:
         ) and (not want.model_name or not config.model_name or config.model_name == want.model_name):
             return meta.with_suffix("")
     available = [m.stem for m in sorted(PRETRAINED_DIR.glob("*.json"))]
+    source = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "") or "PATH/TO/MODEL"
     raise FileNotFoundError(
         f"no pretrained {variant!r} gates for this model ({want.model_type}, {want.num_layers} layers, "
         f"{want.num_kv_heads} KV heads, hidden {want.hidden_size}, {want.model_name or 'unnamed'}); shipped: "
-        f"{available}. Train some with `kvsieve train --variant {variant}` and pass gates='path/to/stem'"
+        f"{available}. Train gates for it with `kvsieve train --model {source} --variant {variant} "
+        f"--output runs/{variant}` (about 30 CPU-minutes for a 135M model; see docs/results/trimkv) and pass "
+        f"gates='runs/{variant}/gates'"
     )
 
 

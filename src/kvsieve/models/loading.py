@@ -49,6 +49,15 @@ class ModelNotFoundError(FileNotFoundError):
     """The model spec names nothing loadable (no such path, hub unreachable, unknown name)."""
 
 
+class TokenizerNotFoundError(ModelNotFoundError):
+    """A model folder has no tokenizer files and no separate tokenizer path was given (or it has none)."""
+
+
+#: Files any one of which makes a folder loadable by ``AutoTokenizer`` (fast JSON, SentencePiece, BPE, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "tokenizer_config.json",
+                   "tokenizer.tiktoken", "vocab.txt")
+
+
 class MissingExtraError(ImportError):
     """Loading this model needs an optional package (the message names the ``pip install`` to run)."""
 
@@ -227,18 +236,60 @@ def _finish(model: Any, tokenizer: Any, device: torch.device) -> tuple[Any, Any]
     return model, tokenizer
 
 
-def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool, **kwargs: Any) -> tuple[Any, Any]:
+def check_tokenizer_folder(folder: Path, what: str = "model") -> None:
+    """Raise :class:`TokenizerNotFoundError` naming ``folder`` unless it holds tokenizer files."""
+    if not folder.is_dir():
+        raise TokenizerNotFoundError(f"tokenizer: {folder} is not a folder; pass a folder with tokenizer files")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        hint = ("pass tokenizer=PATH (kvsieve generate/niah/train: --tokenizer PATH), a folder that has them, "
+                "e.g. the original model's download") if what == "model" else "pass a folder that has them"
+        raise TokenizerNotFoundError(
+            f"tokenizer: {what} folder {folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            f"{hint}"
+        )
+
+
+def tokenizer_source(model_source: str, tokenizer: str | None, model_folder: bool) -> tuple[str, bool]:
+    """Where the tokenizer loads from and whether only local files may be used; checked before any weight.
+
+    ``model_folder``: ``model_source`` is a local model folder (which must then hold tokenizer files
+    unless ``tokenizer`` names another place)."""
+    if tokenizer is None:
+        if model_folder:
+            check_tokenizer_folder(Path(model_source))
+        return model_source, model_folder
+    path = Path(tokenizer).expanduser()
+    if path.exists() or tokenizer.startswith((".", "/", "~")):
+        check_tokenizer_folder(path, what="tokenizer")
+        return str(path), True
+    if _HUB_ID.match(tokenizer):
+        return tokenizer, False
+    raise TokenizerNotFoundError(f"tokenizer: {tokenizer!r} is neither a local folder nor a hub id (org/name)")
+
+
+def _from_pretrained(
+    source: str, dtype: torch.dtype, local_only: bool, tokenizer: str | None = None, **kwargs: Any
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only, **kwargs)
+    # a GGUF file carries its tokenizer; a model folder must hold tokenizer files unless ``tokenizer`` is given
+    folder = Path(source).is_dir() and "gguf_file" not in kwargs
+    where, local_tokenizer = tokenizer_source(source, tokenizer, folder)
+    if tokenizer is None:
+        tokenizer_obj = AutoTokenizer.from_pretrained(source, local_files_only=local_only, **kwargs)
+    else:
+        tokenizer_obj = AutoTokenizer.from_pretrained(where, local_files_only=local_tokenizer)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=dtype, attn_implementation="sdpa", local_files_only=local_only, **kwargs
     )
-    return model, tokenizer
+    return model, tokenizer_obj
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None
+    spec: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    tokenizer: str | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from ``spec`` (see the module docstring) in ``dtype`` on ``device``.
 
@@ -249,15 +300,24 @@ def load_model(
         spec: ``"smollm2"``, ``"tiny-llama"``, a folder, a ``.gguf`` file, a hub id or ``module:function``.
         dtype: ``"float32"`` (default), ``"bfloat16"``, ``"float16"`` or the torch dtype.
         device: ``None``/``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or ``"auto"``.
+        tokenizer: where the tokenizer is, when not beside the weights: a local folder or a hub id (folders,
+            ``.gguf`` files and hub ids only; the built-in models bring their own).
 
     Raises:
         UnsupportedArchitectureError: the model's type is not one kvsieve supports (lists the supported ones).
         ModelNotFoundError: no such path; a hub id while the hub is unreachable and the model is not cached.
+        TokenizerNotFoundError: a model folder without tokenizer files and no ``tokenizer``, or a
+            ``tokenizer`` folder without them (names the folder and the files looked for).
         ValueError: a bad dtype or device.
     """
     torch_dtype = parse_dtype(dtype)
     target = resolve_device(device)
     kind = check_model_spec(spec)
+    if tokenizer is not None and kind in ("builtin", "function"):
+        raise ValueError(f"tokenizer: {spec!r} brings its own tokenizer; pass tokenizer= only with a folder, "
+                         ".gguf file or hub id")
+    if kind == "folder" or tokenizer is not None:  # before any weight is read
+        tokenizer_source(str(Path(spec).expanduser()), tokenizer, kind == "folder")
     if kind == "builtin":
         from kvsieve.eval.model_loader import load_tiny_llama
         from kvsieve.models.default_model import load_default_model
@@ -268,19 +328,19 @@ def load_model(
         model, tokenizer = _import_function(spec)(dtype=torch_dtype)
         return _finish(model, tokenizer, target)
     if kind == "folder":
-        return _finish(*_from_pretrained(str(Path(spec).expanduser()), torch_dtype, True), target)
+        return _finish(*_from_pretrained(str(Path(spec).expanduser()), torch_dtype, True, tokenizer), target)
     if kind == "gguf":
         path = Path(spec).expanduser()
-        return _finish(*_from_pretrained(str(path.parent), torch_dtype, True, gguf_file=path.name), target)
+        return _finish(*_from_pretrained(str(path.parent), torch_dtype, True, tokenizer, gguf_file=path.name), target)
     config, cached = _hub_config(spec)
     check_config_architecture(config, spec)
     try:
-        return _finish(*_from_pretrained(spec, torch_dtype, cached), target)
+        return _finish(*_from_pretrained(spec, torch_dtype, cached, tokenizer), target)
     except OSError as err:
         if cached:  # config cached but weights missing: try once more from the hub (if it is reachable)
             reason = _hub_offline_reason()
             if reason is None:
-                return _finish(*_from_pretrained(spec, torch_dtype, False), target)
+                return _finish(*_from_pretrained(spec, torch_dtype, False, tokenizer), target)
             raise ModelNotFoundError(
                 f"model: {spec!r} is only partly in the local cache and the hub is unreachable ({reason}); "
                 "pass a local path instead (a model folder or a .gguf file)"
