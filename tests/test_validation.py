@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import build_model
 from helpers import prompt
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -360,6 +361,21 @@ def test_the_no_compression_warning_speaks_of_the_forward(model):
 
 def test_global_floor_above_budget_is_refused_before_any_work():
     """A per-head floor above the per-head budget would make the global total exceed L·H·budget."""
-    with pytest.raises(PolicyConfigError, match=r"floor \(3\) must not exceed budget \(2\)"):
+    with pytest.raises(PolicyConfigError, match=r"window \(0\) \+ floor \(3\) must not exceed budget \(2\)"):
         kvsieve.make_policy("snapkv", budget=2, window=0, allocator="global", floor=3)
     kvsieve.make_policy("snapkv", budget=2, window=0, allocator="global", floor=2)  # equal is allowed
+
+
+@pytest.mark.parametrize("floor", [0, 2, 4, 8, 12])
+def test_global_floor_never_breaks_the_global_budget(floor):
+    """Each head keeps its window *and* its floor: window + floor > budget would exceed L·H·budget per row."""
+    model = build_model("llama")  # 3 layers × 2 KV heads: 72 entries per row at budget 12
+    if floor + 8 > 12:
+        with pytest.raises(PolicyConfigError, match=rf"window \(8\) \+ floor \({floor}\).*budget \(12\)"):
+            kvsieve.KVCache(model, "restkv", budget=12, window=8, allocator="global", floor=floor)
+        return
+    cache = kvsieve.KVCache(model, "restkv", budget=12, window=8, allocator="global", floor=floor)
+    model(prompt(length=40), **cache_kwargs(model, cache))
+    held = cache.head_lengths()  # (layers, batch, heads), after the prompt's compaction
+    assert int(held.sum()) == 3 * 2 * 12  # was 72 / 96 / 120 for floor 0 / 8 / 12 (window + floor per head)
+    assert int(held.min()) >= 8 + floor

@@ -38,9 +38,17 @@ class GlobalBudget(Allocator):
         require_int(self.name, "floor", self.floor, 0)
 
     def check(self, policy: Policy) -> None:
-        if policy.budget is not None and self.floor > policy.budget:
-            raise PolicyConfigError(f"{policy.name}: floor ({self.floor}) must not exceed budget ({policy.budget}): "
-                                    "every head's floor comes out of the global budget")
+        """Every head keeps its protected window *and* its floor, all out of the global ``L·H·budget``: the
+        two together must fit one head's budget, or the total would exceed the global budget."""
+        if policy.budget is None:
+            return
+        window = policy.scorer.protected_window() if policy.scorer is not None else 0
+        if window + self.floor > policy.budget:
+            raise PolicyConfigError(
+                f"{policy.name}: window ({window}) + floor ({self.floor}) must not exceed budget ({policy.budget}): "
+                "every head keeps its window and its floor out of the global budget of L·H·budget entries; "
+                f"allowed floor range is [0, {max(policy.budget - window, 0)}]"
+            )
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.allocate_global([scores], [nominal], [lengths])[0]
