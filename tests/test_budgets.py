@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import GEMMA3_SLIDING_WINDOW
-from helpers import all_kept_positions, decode_loop, managed_layers, prompt, sliding_layers
+from helpers import all_kept_positions, decode_loop, managed_layers, prompt, reference_cache, sliding_layers
 
 import kvsieve
 from kvsieve.parts import Adaptive, Pyramid
@@ -308,3 +308,24 @@ def test_model_with_a_global_sliding_window_is_not_silently_uncompressed(arch):
     warned = any("kvsieve" in str(w.message) for w in caught)
     compressed = int(cache.head_lengths().max()) <= BUDGET
     assert compressed or warned, f"held {cache.head_lengths().tolist()} with budget {BUDGET}, no warning"
+
+
+@pytest.mark.parametrize("policy", ["pyramidkv", "pyramid_restkv"])
+def test_pyramid_keeps_everything_when_the_budget_covers_the_prompt(policy, model, ref_model):
+    """As the reference: a row whose prompt fits the budget keeps every entry in every layer (was: layers
+    kept [41, 33] of a 40-token prompt at budget 50 and the logits moved by 0.095)."""
+    ids = prompt(length=40, seed=31)
+    cache = kvsieve.KVCache(model, policy, budget=50, window=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nothing was compressed"
+        logits = model(ids, **cache_kwargs(model, cache)).logits
+    assert (cache.head_lengths()[managed_layers(cache)] == 40).all()
+    _, reference = reference_cache(ref_model, ids)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+
+
+def test_pyramid_is_uniform_below_twice_the_spare_budget(model):
+    """Reference regime 2: ``B < n < 2 (B - w)`` keeps a uniform ``B`` per head in every layer."""
+    cache = kvsieve.KVCache(model, "pyramidkv", budget=12, window=4)
+    model(prompt(batch=2, length=14, seed=5), **cache_kwargs(model, cache))
+    assert (cache.head_lengths()[managed_layers(cache)] == 12).all()

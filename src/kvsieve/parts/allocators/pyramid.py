@@ -6,12 +6,19 @@ Per-layer budgets decrease linearly from the bottom layer to the top with the sa
 entries per head, β = 20, ``w`` the scorer's observation window. The reference code rounds the step
 down, which can push the total above ``L·B``; flooring each exact layer budget keeps the total at or
 below ``L·B`` (equal up to rounding).
+
+As the reference ``PyramidKVCluster.update_kv`` does, the pyramid applies only to long prompts: a batch
+row whose ``n`` held entries per head fit the budget (``n ≤ B``) keeps everything in every layer (a
+covering budget equals ``full``), and one with ``n < 2 (B - w)`` keeps a uniform ``B`` per head (SnapKV's
+selection); the layer budgets above apply from ``n ≥ 2 (B - w)``. Decided per row, from its own length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
+
+import torch
 
 from kvsieve.parts.allocators.base import Allocator
 from kvsieve.parts.base import PolicyConfigError, require_int
@@ -35,6 +42,17 @@ class Pyramid(Allocator):
     def check(self, policy: Policy) -> None:
         if policy.budget is None:
             raise PolicyConfigError(f"{policy.name}: needs an absolute budget (int ≥ 1), not a ratio")
+
+    def nominal(
+        self, policy: Policy, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
+    ) -> torch.Tensor:
+        """The layer's pyramid budget for rows of long prompts; all entries, or a uniform budget, for short ones."""
+        layered = super().nominal(policy, lengths, layer_idx, num_layers, window)
+        budget = policy.budget
+        assert budget is not None  # validated: the pyramid needs an absolute budget
+        held = lengths.amax(dim=1, keepdim=True).expand_as(lengths)  # the row's prompt, per head
+        uniform = torch.full_like(layered, budget)
+        return torch.where(held <= budget, lengths, torch.where(held < 2 * (budget - window), uniform, layered))
 
     def layer_budget(self, budget: int, layer_idx: int, num_layers: int, window: int) -> int:
         if num_layers == 1:
