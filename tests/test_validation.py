@@ -379,3 +379,17 @@ def test_global_floor_never_breaks_the_global_budget(floor):
     held = cache.head_lengths()  # (layers, batch, heads), after the prompt's compaction
     assert int(held.sum()) == 3 * 2 * 12  # was 72 / 96 / 120 for floor 0 / 8 / 12 (window + floor per head)
     assert int(held.min()) >= 8 + floor
+
+
+def test_a_part_objects_settings_survive_other_parameters_of_that_part():
+    """Parameters of a part given as an object apply to that object (was: the object was rebuilt from
+    defaults, so ``alpha=0.5`` became 0.2 and ``gamma=2.0`` became 4.0)."""
+    from kvsieve.parts import Adaptive
+    from kvsieve.parts.actions import EvictThenMerge
+
+    policy = kvsieve.make_policy("snapkv", budget=64, allocator=Adaptive(alpha=0.5), floor="budget")
+    assert policy.allocator == Adaptive(alpha=0.5, floor="budget")
+    policy = kvsieve.make_policy("ems", budget=64, action=EvictThenMerge(gamma=2.0), tau=0.9)
+    assert policy.action == EvictThenMerge(gamma=2.0, tau=0.9)
+    with pytest.raises(PolicyConfigError, match="alpha"):  # the object's values are still validated
+        kvsieve.make_policy("snapkv", budget=64, allocator=Adaptive(alpha=0.5), alpha=2.0)

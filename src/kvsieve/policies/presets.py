@@ -10,7 +10,7 @@ work, listing what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge, EvictThenMergePos
@@ -229,19 +229,16 @@ def make_policy(name: str, **params: Any) -> Policy:
         cls = classes[kind]
         if cls is None:
             continue
-        if kind == "allocator" and isinstance(allocator, Allocator) and not per_part[kind]:
-            built[kind] = allocator
-            continue
-        if kind == "action" and isinstance(action, Action) and not per_part[kind]:
-            built[kind] = action
-            continue
+        # a part given as an object keeps its settings; parameters of the same part are applied to it
+        given = {"allocator": allocator if isinstance(allocator, Allocator) else None,
+                 "action": action if isinstance(action, Action) else None}.get(kind)
         kwargs = per_part[kind]
         if kind == "selector" and policy_kw.get("budget") is not None:
             kwargs = {**kwargs, "k": policy_kw["budget"]}
         if kind == "selector" and policy_kw.get("budget") is None:
             raise PolicyConfigError(f"{name}: needs budget (int ≥ 1): the number of entries each query attends to")
         try:
-            built[kind] = cls(**kwargs)
+            built[kind] = cls(**kwargs) if given is None else replace(given, **kwargs)
         except PolicyConfigError as err:
             names = [aliased[(kind, f)] for f in kwargs if (kind, f) in aliased]
             prefix = f"{name}: {', '.join(names)}: " if names else f"{name}: "
