@@ -67,3 +67,38 @@ def test_cli_flags_and_validation() -> None:
         runner.validate(BenchConfig(policies=["nope"]))
     with pytest.raises(ValueError, match="batches"):
         runner.validate(BenchConfig(batches=[0]))
+
+
+def test_unwritable_output_is_refused_before_any_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(runner, "run_worker", lambda spec: calls.append(spec) or {})
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in (blocker / "bench.json", tmp_path):  # below a file; a folder
+        with pytest.raises(ValueError, match="--output"):
+            run_bench(TINY, output=bad, progress=False)
+    assert calls == []
+
+
+def test_a_failing_configuration_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failing policy used to discard every completed run; now it is recorded as failed."""
+    model = load_model("tiny-llama")
+    monkeypatch.setattr(worker, "load_model", lambda name, dtype, device="cpu": model)
+    written: list[dict[str, Any]] = []
+
+    def flaky(spec: dict[str, Any]) -> dict[str, Any]:
+        if spec["policy"] == "snapkv" and spec["length"] == 96:
+            raise RuntimeError("benchmark worker failed (exit 1):\nboom")
+        written.append(json.loads(out.read_text())) if out.exists() else None
+        return run_configuration(spec)
+
+    monkeypatch.setattr(runner, "run_worker", flaky)
+    out = tmp_path / "bench.json"
+    config = BenchConfig(model="tiny-llama", policies=["snapkv"], budget=32, lengths=[64, 96], batches=[1],
+                         steps=1, warmup=0, repeats=1)
+    result = run_bench(config, output=out, progress=False, plot=False)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(result)) and saved["complete"] is False
+    assert [f["label"] for f in saved["failed"]] == ["snapkv"] and "boom" in saved["failed"][0]["error"]
+    assert len(saved["runs"]) == 3  # full@64, snapkv@64, full@96
+    assert written and written[-1]["complete"] is False and len(written[-1]["runs"]) >= 1  # written as it went

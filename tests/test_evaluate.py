@@ -196,3 +196,15 @@ def test_niah_shared_prefill_matches_separate_scoring(tiny, tokenizer):
             k: record[k] for k in alone if k not in volatile
         }
     assert {r["name"]: r["prefill_shared"] for r in records} == {"full": 1, "snapkv": 2, "h2o": 2, "tova_bw": 1}
+
+
+def test_niah_progress_is_one_short_line(tiny, tokenizer, capsys):
+    """The postfix used to carry every configuration's running hit count, thousands of characters long."""
+    from kvsieve.eval.niah import run_niah
+
+    factories = {"full": lambda: None, **{f"snapkv@{b}": (lambda b=b: KVCache(tiny, "snapkv", budget=b))
+                                          for b in (32, 48, 64, 96, 112)}}
+    run_niah(tiny, tokenizer, lengths=[128], depths=[0.2, 0.8], make_cache_fns=factories, progress=True,
+             max_new_tokens=2)
+    updates = [u for u in capsys.readouterr().err.replace("\r", "\n").splitlines() if u.startswith("niah")]
+    assert updates and max(len(u) for u in updates) < 120, max(updates, key=len)

@@ -185,3 +185,41 @@ def test_separate_tokenizer_folder(tmp_path: Path, tiny_folder: Path) -> None:
     assert torch.equal(next(model.parameters()), next(reference.parameters()))
     with pytest.raises(ValueError, match="brings its own tokenizer"):
         kvsieve.load_model("tiny-llama", tokenizer=str(tiny_folder))
+
+
+def test_niah_checks_its_output_and_lengths_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import kvsieve.models.arguments as arguments
+
+    monkeypatch.setattr(arguments, "load_model_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    base = ["niah", "--model", "tiny-llama", "--policies", "snapkv", "--budgets", "32", "--depths", "0.5",
+            "--no-progress", "--no-plot"]
+    assert main([*base, "--lengths", "128", "--output", str(blocker / "niah.json")]) == 2
+    assert "--output" in capsys.readouterr().err
+    assert main([*base, "--lengths", "64", "--output", str(tmp_path / "n.json")]) == 2  # needs ≥ 128 (was 84)
+    assert "--lengths" in capsys.readouterr().err
+
+
+def test_niah_writes_results_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each finished sample rewrites the JSON (atomically); the last write is the complete result."""
+    from kvsieve import result_files
+    from kvsieve.eval import niah_cli
+
+    writes: list[dict] = []
+    real = result_files.write_json_atomic
+
+    def spy(path: Path, payload: dict) -> None:
+        writes.append(payload)
+        real(path, payload)
+
+    monkeypatch.setattr(niah_cli, "write_json_atomic", spy)
+    out = tmp_path / "niah.json"
+    code = main(["niah", "--model", "tiny-llama", "--policies", "snapkv", "--budgets", "32", "--lengths", "128",
+                 "--depths", "0.2,0.8", "--seeds", "0", "--output", str(out), "--no-progress", "--no-plot"])
+    assert code == 0
+    assert [w["complete"] for w in writes] == [False, False, True]
+    assert [len(w["records"]) for w in writes] == [2, 4, 4]
+    assert json.loads(out.read_text())["complete"] is True
+    assert not list(tmp_path.glob(".niah.json.*"))  # no temporary file left behind

@@ -76,4 +76,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     result = run_bench(config, output=args.output, progress=not args.no_progress, plot=not args.no_plot)
     print(format_summary(result))
     print(f"kvsieve bench: wrote {args.output}", file=sys.stderr)
+    if result["failed"]:
+        print(f"kvsieve bench: {len(result['failed'])} configuration(s) failed (listed under 'failed' in "
+              f"{args.output}); the others are kept", file=sys.stderr)
+        return 1
     return 0

@@ -26,6 +26,7 @@ from kvsieve.bench.worker import RESULT_MARKER
 from kvsieve.eval.model_loader import DEFAULT_MODEL, parse_dtype, validate_model_name
 from kvsieve.eval.sweep_config import PolicySpec
 from kvsieve.models.loading import resolve_device
+from kvsieve.result_files import check_output_file, write_json_atomic
 
 FULL = "full"
 #: Figures summarised per (length, batch, cache); each also gets a ``<name>_ratio`` to the full cache.
@@ -145,32 +146,50 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_bench(config: BenchConfig, output: str | Path | None = None, progress: bool = True,
               plot: bool = True) -> dict[str, Any]:
-    """Run the grid; write the JSON (and ``<stem>.png/.svg``) when ``output`` is given; return the result."""
+    """Run the grid; write the JSON (and ``<stem>.png/.svg``) when ``output`` is given; return the result.
+
+    The output path is checked before any run; the JSON is rewritten (atomically) after every run, so
+    an interrupted benchmark keeps what it measured. A configuration that fails is recorded under
+    ``failed`` (with its error) and the others go on; the result's ``complete`` says whether all ran.
+    """
     specs = validate(config)
+    out = None if output is None else check_output_file(output)
     plan = _runs_for(config, specs)
     runs: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+
+    def result(complete: bool) -> dict[str, Any]:
+        return {
+            "meta": {
+                **asdict(config), "torch": torch.__version__, "python": platform.python_version(),
+                "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                "full_cache": "transformers DynamicCache",
+            },
+            "complete": complete,
+            "summary": summarize(runs),
+            "runs": runs,
+            "failed": failed,
+        }
+
     bar = tqdm(plan, desc="kvsieve bench", unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     for spec in bar:
         bar.set_postfix_str(f"{spec['length']} tok {spec['label']} batch {','.join(map(str, spec['batches']))}")
-        runs.extend(_flatten(spec, run_worker({k: v for k, v in spec.items() if k not in ("repeat", "label")})))
-    result = {
-        "meta": {
-            **asdict(config), "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "full_cache": "transformers DynamicCache",
-        },
-        "summary": summarize(runs),
-        "runs": runs,
-    }
-    if output is not None:
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        if plot:
+        try:
+            runs.extend(_flatten(spec, run_worker({k: v for k, v in spec.items() if k not in ("repeat", "label")})))
+        except RuntimeError as err:
+            failed.append({**{k: spec[k] for k in ("repeat", "length", "label", "batches")}, "error": str(err)})
+            tqdm.write(f"kvsieve bench: {spec['label']} at {spec['length']} tokens failed: "
+                       f"{str(err).strip().splitlines()[-1]}", file=sys.stderr)
+        if out is not None:
+            write_json_atomic(out, result(complete=False))
+    final = result(complete=not failed)
+    if out is not None:
+        write_json_atomic(out, final)
+        if plot and runs:
             try:
                 from kvsieve.bench.plot import plot_bench
             except ImportError:
                 print("no figure: matplotlib is not installed (pip install 'kvsieve[plots]')", file=sys.stderr)
             else:
-                plot_bench(result, out.with_suffix(""))
-    return result
+                plot_bench(final, out.with_suffix(""))
+    return final

@@ -335,8 +335,12 @@ def run_niah(
     make_cache_fns: Mapping[str, Callable[[], Cache | None]] | None = None,
     progress: bool = True,
     max_new_tokens: int = 8,
+    on_sample: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Score every (cache name, length, depth, seed); one record per combination.
+
+    ``on_sample`` is called with every record so far after each sample's caches are scored (to save
+    partial results as the run goes).
 
     ``make_cache_fns`` maps a name to a cache factory (default ``{"full": lambda: None}``, a plain
     ``DynamicCache``). Each record holds ``name``, ``context_tokens``, ``depth``, ``seed``,
@@ -351,7 +355,6 @@ def run_niah(
         make_passkey_sample(tokenizer, length, depth, seed) for length in lengths for depth in depths for seed in seeds
     ]
     records: list[dict[str, Any]] = []
-    hits: dict[str, int] = {}
     bar = tqdm(total=len(samples) * len(factories), file=sys.stderr, disable=not progress, desc="niah")
     with bar:
         for sample in samples:
@@ -361,7 +364,6 @@ def run_niah(
                 filled = prefilled.pop(name, None)
                 scores = score_sample(model, sample, make_cache, max_new_tokens, filled)
                 scores["prefill_shared"] = sharing if filled is not None else 1
-                hits[name] = hits.get(name, 0) + int(scores["exact_match"])
                 records.append(
                     {
                         "name": name,
@@ -375,6 +377,8 @@ def run_niah(
                         **scores,
                     }
                 )
-                bar.set_postfix_str(f"{name} L={sample.context_tokens} d={sample.depth} hits={hits}")
+                bar.set_postfix_str(f"{name} L={sample.context_tokens} d={sample.depth}", refresh=False)
                 bar.update()
+            if on_sample is not None:
+                on_sample(records)
     return records

@@ -4,7 +4,6 @@ budgets, as a table, a JSON file and a plot of exact match and answer log-likeli
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -18,7 +17,11 @@ from typing import Any
 import torch
 
 from kvsieve.policies.registry import make_policy
+from kvsieve.result_files import check_output_file, write_json_atomic
 from kvsieve.transformers_adapter import cache_kwargs
+
+#: Shortest ``--lengths`` accepted: the passkey prompt's fixed parts take ~70 tokens of any common tokenizer.
+MIN_CONTEXT_TOKENS = 128
 
 
 def _split_name(name: str) -> tuple[str, int | None]:
@@ -136,8 +139,12 @@ def run_niah_command(args: argparse.Namespace) -> int:
     specs = [(p, b) for p in args.policies if p != "full" for b in args.budgets]
     built = {f"{p}@{b}": make_policy(parse_policy_spec(p)[0], budget=b, **parse_policy_spec(p)[1]) for p, b in specs}
     for length in args.lengths:
-        if length < 64:
-            raise ValueError(f"--lengths: each context length must be ≥ 64 tokens; got {length}")
+        if length < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"--lengths: each context length must be ≥ {MIN_CONTEXT_TOKENS} tokens (the passkey "
+                             f"prompt's instructions, needle and question take ~70 tokens); got {length}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: must be ≥ 1; got {args.max_new_tokens}")
+    out = check_output_file(args.output)
     for depth in args.depths:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"--depths: each depth must be in [0, 1]; got {depth}")
@@ -150,35 +157,43 @@ def run_niah_command(args: argparse.Namespace) -> int:
     started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
     model, tokenizer = load_model_from_args(args)
 
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max(args.lengths) + args.max_new_tokens > limit:
+        raise ValueError(f"--lengths: {max(args.lengths)} tokens + {args.max_new_tokens} new exceed the model's "
+                         f"{limit} positions (max_position_embeddings)")
     _warm_up(model, [KVCache(model, p) for p in list(built.values())[:1]])
     factories: dict[str, Callable[[], Any]] = {"full": lambda: None}
     for name, policy in built.items():
         factories[name] = lambda p=policy: KVCache(model, p)
+    def payload(records: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        return {
+            "task": "niah_passkey",
+            "complete": complete,
+            "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
+            "dtype": args.dtype,
+            "policies": {name: str(policy) for name, policy in built.items()},
+            "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s, "cpu_s": cpu_s,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "summary": summarize(records),
+            "records": [{k: v for k, v in r.items() if k != "generated_ids"} for r in records],
+        }
+
     records = run_niah(
         model, tokenizer, lengths=args.lengths, depths=args.depths, seeds=args.seeds,
         make_cache_fns=factories, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+        on_sample=lambda so_far: write_json_atomic(out, payload(so_far, complete=False)),
     )
-    wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-    rows = summarize(records)
+    final = payload(records, complete=True)
+    write_json_atomic(out, final)
+    rows = final["summary"]
     print(format_table(rows))
     print(f"EM: exact match; logp: teacher-forced log-likelihood of the pass key (nats, higher is better); "
           f"speed: decoding tokens/s vs the full cache; {len(args.depths) * len(args.seeds)} samples per row; "
-          f"{wall_s / 60:.1f} min ({cpu_s / 60:.1f} CPU min) with {torch.get_num_threads()} torch threads")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "task": "niah_passkey",
-        "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
-        "dtype": args.dtype,
-        "policies": {name: str(policy) for name, policy in built.items()},
-        "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s, "cpu_s": cpu_s,
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        "summary": rows,
-        "records": [{k: v for k, v in r.items() if k != "generated_ids"} for r in records],
-    }
-    out.write_text(json.dumps(payload, indent=2))
+          f"{final['wall_s'] / 60:.1f} min ({final['cpu_s'] / 60:.1f} CPU min) with {torch.get_num_threads()} "
+          "torch threads")
     print(f"results: {out}")
     if not args.no_plot:
         from kvsieve.eval.niah_plot import plot_niah
