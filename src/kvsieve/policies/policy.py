@@ -81,7 +81,11 @@ class Policy:
     def side(self) -> tuple[SideSpec, ...]:
         """Per-entry side data every store of this policy keeps."""
         specs = list(self.scorer.side()) if self.scorer is not None else []
-        return (*specs, *self.action.side())
+        specs += [*self.action.side(), *(self.selector.side() if self.selector is not None else ())]
+        unique: dict[str, SideSpec] = {}
+        for spec in specs:  # a datum two parts read (the mark action writes what hsa_mt reads) is kept once
+            unique.setdefault(spec.name, spec)
+        return tuple(unique.values())
 
     def hooks(self) -> list[StoreHook]:
         return self.selector.hooks() if self.selector is not None else []

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.cache.store import StoreHook
+from kvsieve.cache.store import SideSpec, StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import Part
 
@@ -23,6 +23,10 @@ class Selector(Part):
     """Base selector (abstract)."""
 
     kind: ClassVar[str] = "selector"
+
+    def side(self) -> tuple[SideSpec, ...]:
+        """Per-entry side data the selector reads (kept by every store of the policy, whatever its action)."""
+        return ()
 
     def hooks(self) -> list[StoreHook]:
         """Per-store data the selector keeps up to date (e.g. per-page key min/max); fresh objects per store."""

@@ -32,7 +32,7 @@ import torch
 
 from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
-from kvsieve.cache.store import StoreHook
+from kvsieve.cache.store import SideSpec, StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_bool, require_int
 from kvsieve.parts.selectors.base import Selector
@@ -75,6 +75,11 @@ class HybridSparse(Selector):
         require_int(self.name, "page_size", self.page_size, 0)
         require_int(self.name, "k1", self.k1, 0)
         require_bool(self.name, "filtered", self.filtered)
+
+    def side(self) -> tuple[SideSpec, ...]:
+        """``stage1_keep`` when filtered: written by the ``mark`` action; with any other action every entry
+        stays a member (the mark's fill is True), so ``hsa_mt`` selects among all held entries, as ``hsa``."""
+        return (STAGE1_KEEP,) if self.filtered else ()
 
     def hooks(self) -> list[StoreHook]:
         pages: StoreHook = MemberPages(1, STAGE1_KEEP.name) if self.filtered else PageMinMax(1)
