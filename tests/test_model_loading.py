@@ -223,3 +223,31 @@ def test_niah_writes_results_as_it_goes(tmp_path: Path, monkeypatch: pytest.Monk
     assert [len(w["records"]) for w in writes] == [2, 4, 4]
     assert json.loads(out.read_text())["complete"] is True
     assert not list(tmp_path.glob(".niah.json.*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--policy", "snapkv:budget=8", "--budget", "16", "q"], "sets budget"),  # was: TypeError
+        (["--compare", "", "q"], "--compare: no policy"),  # was: silently ignored
+        (["--compare", "full,snapkv,snapkv", "q"], "snapkv given more than once"),  # was: run twice
+        (["--policy", "snapkv", "  "], "question 1 is empty"),  # was: refused after compressing the context
+        (["--policy", "snapkv:window=4:window=8", "q"], "sets window twice"),
+    ],
+)
+def test_generate_flags_are_checked_before_the_model_loads(flags, message, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import kvsieve.models.arguments as arguments
+
+    monkeypatch.setattr(arguments, "load_model_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some context")
+    assert main(["generate", "--model", "tiny-llama", "--context", str(doc), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_niah_policy_spec_with_a_budget_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["niah", "--model", "tiny-llama", "--policies", "snapkv:budget=8", "--budgets", "32",
+                 "--output", str(tmp_path / "n.json")]) == 2
+    assert "--budget" in capsys.readouterr().err

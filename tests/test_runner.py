@@ -253,3 +253,22 @@ def test_same_folder_spec_with_other_weights_is_refused(tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"x" * 11)
     with pytest.raises(ValueError, match="model_identity"):
         check_same_model(out, config, model_identity(str(folder)))
+
+
+def test_records_missing_keys_are_skipped_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A records.jsonl line without its cell keys used to end ``eval`` and ``plot`` in a KeyError."""
+    config = _config(tmp_path)
+    run_sweep(config, cell_fn=FakeCell(), load_model=False, progress=False)
+    path = tmp_path / "sweep" / "records.jsonl"
+    good = len(read_records(path))
+    with path.open("a") as fh:
+        fh.write(json.dumps({"task": "vt", "policy": "snapkv"}) + "\n")  # no budget, length, sample, seed, score
+        fh.write(json.dumps([1, 2]) + "\n")
+        fh.write(json.dumps({"task": "vt", "policy": "snapkv", "budget": 8, "length": "long", "sample": 0,
+                             "seed": 0, "score": 1.0}) + "\n")
+    assert len(read_records(path)) == good
+    err = capsys.readouterr().err
+    assert "missing budget, length, sample, seed, score" in err and "not a JSON object" in err and "bad cell" in err
+    outcome = run_sweep(config, cell_fn=FakeCell(), load_model=False, progress=False)
+    assert outcome.ran == 0 and outcome.rows
+    assert main(["plot", str(tmp_path / "sweep"), "--output", str(tmp_path / "plots"), "--formats", "png"]) == 0

@@ -53,8 +53,13 @@ def clean_json(value: Any) -> Any:
     return value
 
 
+#: Keys every record has (its cell and its score); a line without them is skipped with a message.
+RECORD_KEYS = ("task", "policy", "budget", "length", "sample", "seed", "score")
+
+
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Every well-formed record in a JSONL file (a missing file gives ``[]``)."""
+    """Every well-formed record in a JSONL file (a missing file gives ``[]``); lines that are not JSON
+    objects with :data:`RECORD_KEYS` are skipped with a message naming the line and what is wrong."""
     path = Path(path)
     if not path.exists():
         return []
@@ -68,8 +73,19 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             print(f"kvsieve: skipping malformed line {number} of {path} (interrupted write?)", file=sys.stderr)
             continue
-        if isinstance(record, dict):
-            records.append(record)
+        if not isinstance(record, dict):
+            print(f"kvsieve: skipping line {number} of {path}: not a JSON object", file=sys.stderr)
+            continue
+        missing = [key for key in RECORD_KEYS if key not in record]
+        if missing:
+            print(f"kvsieve: skipping line {number} of {path}: missing {', '.join(missing)}", file=sys.stderr)
+            continue
+        try:
+            record_key(record)
+        except (TypeError, ValueError) as err:
+            print(f"kvsieve: skipping line {number} of {path}: bad cell key ({err})", file=sys.stderr)
+            continue
+        records.append(record)
     return records
 
 

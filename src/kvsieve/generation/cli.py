@@ -59,10 +59,19 @@ def _check(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
         raise ValueError(f"--budget: must be ≥ 1 entry per KV head; got {args.budget}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: must be ≥ 1; got {args.max_new_tokens}")
+    if args.compare is not None and not args.compare:
+        raise ValueError("--compare: no policy given; pass e.g. full,snapkv,restkv (or drop --compare)")
     specs = args.compare or [args.policy]
+    repeated = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if repeated:
+        raise ValueError(f"--compare: {', '.join(repeated)} given more than once")
+    empty = [i for i, question in enumerate(args.question, start=1) if not question.strip()]
+    if empty:
+        raise ValueError(f"question: question {empty[0]} is empty; ask something about the context")
+    flag = "--compare" if args.compare else "--policy"
     caches = []
     for spec in specs:
-        name, params = parse_policy_spec(spec)
+        name, params = parse_policy_spec(spec, flag)
         if name != FULL:
             make_policy(name, budget=args.budget, **params)  # raises on unknown names and bad parameters
         label = FULL if name == FULL else f"{spec}@{args.budget}"
