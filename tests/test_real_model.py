@@ -58,3 +58,24 @@ def test_compressed_cache_holds_one_sixteenth(default_model, sample_2k):
     assert cache.get_seq_length() == len(sample_2k.prompt_ids)
     n = len(sample_2k.prompt_ids)
     assert cache.kept_positions(0)[-32:].tolist() == list(range(n - 32, n))
+
+
+@pytest.mark.parametrize("variant", ["trimkv", "dbtrimkv", "dbtrimkv_untied"])
+def test_shipped_gates_load_for_the_real_model_under_any_folder_name(default_model, variant):
+    """Matched by the weights' fingerprint, not the folder name (a renamed copy used to be refused), with
+    the readout its variant names: tied for ``dbtrimkv``, per layer and head otherwise."""
+    from kvsieve.gates.pretrained import load_pretrained, pretrained_stem
+    from kvsieve.gates.retention import B_OUT_INIT
+
+    model, _ = default_model
+    original = model.config._name_or_path
+    try:
+        model.config._name_or_path = "/data/Renamed-Copy"
+        assert pretrained_stem(model, variant).name == f"smollm2-135m-instruct-{variant}"
+        gates = load_pretrained(model, variant)
+    finally:
+        model.config._name_or_path = original
+    tied = variant == "dbtrimkv"
+    assert gates.config.tied is tied and gates.config.training["variant"] == variant
+    assert tuple(gates.w_out.shape) == ((32,) if tied else (30, 3, 32))
+    assert bool((gates.b_out < B_OUT_INIT - 1).all()), "a trained gate has moved b_out well below its init"

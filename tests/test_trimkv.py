@@ -289,24 +289,84 @@ def test_shipped_gates_describe_the_default_model():
 
 
 @pytest.mark.parametrize("variant", ["trimkv", "dbtrimkv", "dbtrimkv_untied"])
-def test_shipped_gate_loads_for_the_default_model_config(variant):
-    """``KVCache(model, variant)`` without ``gates=`` finds the shipped file for the default model's config
-    (a parameterless stand-in with SmolLM2-135M's shapes: no weights, no forward) and gets the readout its
-    variant names: tied for ``dbtrimkv``, per layer and head for ``trimkv`` and ``dbtrimkv_untied``."""
-    from transformers import LlamaConfig
+def test_shipped_gates_are_not_handed_to_another_model_of_the_same_shapes(variant):
+    """Shipped gates are matched by the weights' fingerprint: a random Llama with SmolLM2-135M's shapes,
+    even loaded from a folder of the right name, does not get them (it used to). The real model gets them
+    under any folder name (``test_real_model.py``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvsieve.gates.pretrained import load_pretrained, pretrained_stem
+    from kvsieve.gates.pretrained import pretrained_stem
 
-    stand_in = torch.nn.Module()
-    stand_in.config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                  intermediate_size=1536, vocab_size=49152)
+    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         intermediate_size=64, vocab_size=256)
+    stand_in = LlamaForCausalLM(config)
     stand_in.config._name_or_path = "/home/user/.cache/kvsieve/smollm2-135m-instruct"
-    stand_in.anchor = torch.nn.Parameter(torch.zeros(1))  # load_gates puts the gates on the model's device
-    assert pretrained_stem(stand_in, variant).name == f"smollm2-135m-instruct-{variant}"
-    gates = load_pretrained(stand_in, variant)
-    tied = variant == "dbtrimkv"
-    assert gates.config.tied is tied
-    assert gates.config.training["variant"] == variant
-    assert tuple(gates.w_out.shape) == ((32,) if tied else (30, 3, 32))
-    assert tuple(gates.b_out.shape) == (() if tied else (30, 3))
-    assert bool((gates.b_out < B_OUT_INIT - 1).all()), "a trained gate has moved b_out well below its init"
+    with pytest.raises(FileNotFoundError, match=r"weights sha256:[0-9a-f]{16}.*fingerprint"):
+        pretrained_stem(stand_in, variant)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda raw: {**raw, "surprise": 1}, "unknown keys"),
+        (lambda raw: [raw], "holds a list"),
+        (lambda raw: {**raw, "gate_hidden": "32"}, "gate_hidden must be an int"),
+        (lambda raw: {**raw, "tied": "yes"}, "tied must be a bool"),
+    ],
+)
+def test_a_malformed_gate_config_names_the_file_and_field(tmp_path, edit, message):
+    import json
+
+    model = build_model("llama")
+    _gates(model).save(tmp_path / "g")
+    meta = tmp_path / "g.json"
+    meta.write_text(json.dumps(edit(json.loads(meta.read_text()))))
+    with pytest.raises(GateMismatchError, match=message):
+        load_gates(tmp_path / "g", model)
+    with pytest.raises(GateMismatchError, match=message):  # and before the model is touched
+        kvsieve.KVCache(model, "dbtrimkv", budget=8, gates=str(tmp_path / "g"))
+
+
+def test_truncated_or_non_finite_gate_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build_model("llama")
+    _gates(model).save(tmp_path / "g")
+    weights = tmp_path / "g.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GateMismatchError, match="not a readable safetensors file"):
+        load_gates(tmp_path / "g", model)
+    _gates(model).save(tmp_path / "g")
+    tensors = load_file(str(weights))
+    tensors["b_out"] = torch.tensor(float("nan"))
+    save_file(tensors, str(weights))
+    with pytest.raises(GateMismatchError, match="b_out hold NaN"):
+        load_gates(tmp_path / "g", model)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_train_refuses_a_non_finite_capacity_weight(value):
+    with pytest.raises(ValueError, match="capacity_weight must be a finite number"):
+        TrainConfig(capacity_weight=value)
+
+
+def test_train_does_not_resume_another_models_checkpoint(tmp_path):
+    """Same shapes, other weights: the checkpoint records the model's fingerprint (it used to resume)."""
+    from kvsieve.eval.model_loader import load_tiny_llama
+
+    model, tokenizer = load_tiny_llama()
+    other, _ = load_tiny_llama()
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    config = TrainConfig(variant="trimkv", budget=16, steps=1, lengths=(256,), kl_tokens=8, heldout=0,
+                         save_every=1, gate_hidden=4, block_size=64)
+    with torch.enable_grad():
+        train_gates(model, tokenizer, config, output_dir=tmp_path, progress=False)
+        with pytest.raises(ValueError, match="written for another model"):
+            train_gates(other, tokenizer, TrainConfig(**{**config.__dict__, "steps": 2}), output_dir=tmp_path,
+                        progress=False)
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"\x00" * 10)
+    with torch.enable_grad(), pytest.raises(ValueError, match="cannot be read.*--no-resume"):
+        train_gates(model, tokenizer, TrainConfig(**{**config.__dict__, "steps": 2}), output_dir=tmp_path,
+                    progress=False)

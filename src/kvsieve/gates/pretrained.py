@@ -26,6 +26,10 @@ def pretrained_stem(model: torch.nn.Module, variant: str) -> Path:
     shipped = sorted(PRETRAINED_DIR.glob(f"*-{variant}.json"))
     for meta in shipped:
         config = read_config(meta)
+        if config.model_fingerprint:  # shipped gates name the weights they were trained on, not a folder
+            if config.model_fingerprint == want.model_fingerprint:
+                return meta.with_suffix("")
+            continue
         if (config.model_type, config.num_layers, config.num_kv_heads, config.hidden_size) == (
             want.model_type, want.num_layers, want.num_kv_heads, want.hidden_size
         ) and (not want.model_name or not config.model_name or config.model_name == want.model_name):
@@ -34,7 +38,8 @@ def pretrained_stem(model: torch.nn.Module, variant: str) -> Path:
     source = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "") or "PATH/TO/MODEL"
     raise FileNotFoundError(
         f"no pretrained {variant!r} gates for this model ({want.model_type}, {want.num_layers} layers, "
-        f"{want.num_kv_heads} KV heads, hidden {want.hidden_size}, {want.model_name or 'unnamed'}); shipped: "
+        f"{want.num_kv_heads} KV heads, hidden {want.hidden_size}, {want.model_name or 'unnamed'}, weights "
+        f"{want.model_fingerprint}); shipped (matched by the weights' fingerprint, not the folder name): "
         f"{available}. Train gates for it with `kvsieve train --model {source} --variant {variant} "
         f"--output runs/{variant}` (about 30 CPU-minutes for a 135M model; see docs/results/trimkv) and pass "
         f"gates='runs/{variant}/gates'"

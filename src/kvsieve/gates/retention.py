@@ -54,11 +54,16 @@ class GateConfig:
     #: Free-form training summary (data, steps, losses) written by the trainer.
     training: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
+    #: :func:`kvsieve.models.fingerprint.model_fingerprint` of the model the gates were trained on ("" if unknown).
+    model_fingerprint: str = ""
 
     @staticmethod
     def for_model(model: torch.nn.Module, gate_hidden: int = 32, tied: bool = True) -> GateConfig:
+        from kvsieve.models.fingerprint import model_fingerprint
+
         cfg = _text_config(model)
         return GateConfig(
+            model_fingerprint=model_fingerprint(model),
             model_type=str(cfg.model_type), num_layers=int(cfg.num_hidden_layers),
             num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
             hidden_size=int(cfg.hidden_size), gate_hidden=gate_hidden, tied=tied,
@@ -142,13 +147,40 @@ def gate_files(stem: str | Path) -> tuple[Path, Path]:
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
 
 
+#: Field types of a gate config file (a hand-edited or foreign file is refused, naming the field).
+_CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
+    "model_type": str, "num_layers": int, "num_kv_heads": int, "hidden_size": int, "gate_hidden": int,
+    "tied": bool, "activation": str, "model_name": str, "training": dict, "format": str, "model_fingerprint": str,
+}
+_POSITIVE = ("num_layers", "num_kv_heads", "hidden_size", "gate_hidden")
+
+
 def read_config(stem: str | Path) -> GateConfig:
+    """The :class:`GateConfig` of ``<stem>.json``; :class:`GateMismatchError` naming the file and the field
+    for anything that is not a gate config (not JSON, not an object, unknown or missing keys, wrong types)."""
     _, meta = gate_files(stem)
     if not meta.is_file():
         raise FileNotFoundError(f"gates: no config file {meta} (expected next to the .safetensors)")
-    raw = json.loads(meta.read_text())
+    try:
+        raw = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise GateMismatchError(f"gates: cannot read {meta} as JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise GateMismatchError(f"gates: {meta} holds a {type(raw).__name__}, not a gate config object")
     if raw.get("format") != FORMAT:
         raise GateMismatchError(f"gates: {meta} is not a {FORMAT} file (format={raw.get('format')!r})")
+    unknown = sorted(set(raw) - set(_CONFIG_TYPES))
+    if unknown:
+        raise GateMismatchError(f"gates: {meta} has unknown keys {unknown}; expected {sorted(_CONFIG_TYPES)}")
+    missing = sorted({"model_type", *_POSITIVE[:3]} - set(raw))
+    if missing:
+        raise GateMismatchError(f"gates: {meta} lacks {missing}")
+    for key, value in raw.items():
+        kind = _CONFIG_TYPES[key]
+        wrong_bool = kind is int and isinstance(value, bool)
+        if not isinstance(value, kind) or wrong_bool or (key in _POSITIVE and value < 1):
+            expected = "an int ≥ 1" if key in _POSITIVE else f"a {getattr(kind, '__name__', kind)}"
+            raise GateMismatchError(f"gates: {meta}: {key} must be {expected}; got {value!r}")
     return GateConfig(**raw)
 
 
@@ -163,11 +195,20 @@ def load_gates(stem: str | Path, model: torch.nn.Module | None = None) -> Retent
     if model is not None:
         config.check_model(model, source=f"gates {weights.name}")
     gates = RetentionGates(config, seed=None)
-    tensors = load_file(str(weights))
+    if not weights.is_file():
+        raise FileNotFoundError(f"gates: no weights file {weights} (expected next to {weights.with_suffix('.json')})")
+    try:
+        tensors = load_file(str(weights))
+    except Exception as err:  # safetensors raises its own error type for truncated or foreign files
+        raise GateMismatchError(f"gates: {weights} is not a readable safetensors file (truncated?): {err}") from None
     expected = {k: tuple(v.shape) for k, v in gates.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if expected != got:
         raise GateMismatchError(f"gates {weights}: tensors {got} do not match the config's shapes {expected}")
+    bad = [name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise GateMismatchError(f"gates {weights}: {', '.join(bad)} hold NaN or infinite values (a diverged "
+                                "training run?); retrain them")
     gates.load_state_dict(tensors)
     gates.requires_grad_(False)
     if model is not None:

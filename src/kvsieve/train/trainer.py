@@ -74,8 +74,9 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"TrainConfig.{name} must be an int ≥ {low}; got {value!r}")
         for name in ("capacity_weight", "lr", "bias_lr", "weight_decay", "grad_clip"):
-            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be a number ≥ 0; got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"TrainConfig.{name} must be a finite number ≥ 0; got {value!r}")
         if not self.lengths or any(not isinstance(n, int) or n < 64 for n in self.lengths):
             raise ValueError(f"TrainConfig.lengths must be ints ≥ 64; got {self.lengths!r}")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -131,7 +132,7 @@ def _lr_factor(config: TrainConfig, step: int) -> float:
 
 
 def _save_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.Optimizer, step: int,
-                     result: TrainResult, config: TrainConfig) -> None:
+                     result: TrainResult, config: TrainConfig, fingerprint: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {f"gates.{k}": v.detach().contiguous().cpu() for k, v in gates.state_dict().items()}
     names = [n for n, _ in gates.named_parameters()]
@@ -140,20 +141,28 @@ def _save_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.O
             tensors[f"opt.{names[index]}.{key}"] = torch.as_tensor(value).detach().contiguous().cpu()
     save_file(tensors, str(path / "checkpoint.safetensors"))
     meta = {"step": step, "history": result.history, "heldout": result.heldout, "seconds": result.seconds,
-            "config": asdict(config), "gate_config": asdict(gates.config)}
+            "config": asdict(config), "gate_config": asdict(gates.config), "model_fingerprint": fingerprint}
     (path / "checkpoint.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def _load_checkpoint(path: Path, gates: RetentionGates, optimizer: torch.optim.Optimizer,
-                     result: TrainResult, config: TrainConfig) -> int:
-    meta = json.loads((path / "checkpoint.json").read_text())
+                     result: TrainResult, config: TrainConfig, fingerprint: str) -> int:
+    try:
+        meta = json.loads((path / "checkpoint.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(path / "checkpoint.safetensors"))
+    except Exception as err:  # a truncated or hand-edited checkpoint: say which, and how to start over
+        raise ValueError(f"checkpoint in {path} cannot be read ({type(err).__name__}: {err}); pass --no-resume "
+                         "to start over, or another --output") from None
+    if meta.get("model_fingerprint") != fingerprint:
+        raise ValueError(f"checkpoint {path} was written for another model (fingerprint "
+                         f"{meta.get('model_fingerprint')!r}, this model {fingerprint!r}); use another --output "
+                         "or --no-resume")
     saved = {k: v for k, v in meta["config"].items() if k not in ("max_minutes", "steps")}
     mine = {k: v for k, v in asdict(config).items() if k not in ("max_minutes", "steps")}
     saved["lengths"] = tuple(saved["lengths"])
     if saved != mine:
         diff = sorted(k for k in mine if mine[k] != saved.get(k))
         raise ValueError(f"checkpoint {path} was written with other settings ({diff}); use another output folder")
-    tensors = load_file(str(path / "checkpoint.safetensors"))
     gates.load_state_dict({k[len("gates."):]: v for k, v in tensors.items() if k.startswith("gates.")})
     names = [n for n, _ in gates.named_parameters()]
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -182,7 +191,9 @@ def train_gates(
     """
     config = config or TrainConfig()
     tied, _ = VARIANTS[config.variant]
-    gates = RetentionGates(GateConfig.for_model(model, config.gate_hidden, tied), seed=config.seed)
+    gate_config = GateConfig.for_model(model, config.gate_hidden, tied)
+    fingerprint = gate_config.model_fingerprint
+    gates = RetentionGates(gate_config, seed=config.seed)
     device = next(iter(model.parameters())).device
     gates = gates.to(device)
     groups = [  # named_parameters order (w_in, b_in, w_out, b_out): checkpoints index optimizer state by it
@@ -194,7 +205,7 @@ def train_gates(
     out = Path(output_dir) if output_dir is not None else None
     start = 0
     if out is not None and resume and (out / "checkpoint.json").is_file():
-        start = _load_checkpoint(out, gates, optimizer, result, config)
+        start = _load_checkpoint(out, gates, optimizer, result, config, fingerprint)
     frozen = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     began = time.monotonic() - result.seconds
@@ -225,7 +236,7 @@ def train_gates(
             if done % config.eval_every == 0 and config.heldout:
                 result.heldout.append({"step": done, **evaluate_heldout(model, tokenizer, gates, config)})
             if out is not None and (done % config.save_every == 0 or over_time):
-                _save_checkpoint(out, gates, optimizer, done, result, config)
+                _save_checkpoint(out, gates, optimizer, done, result, config, fingerprint)
             if over_time:
                 break
         done = step + 1 if config.steps > start else start
@@ -234,7 +245,7 @@ def train_gates(
         result.seconds = time.monotonic() - began
         result.steps_done = done
         if out is not None:
-            _save_checkpoint(out, gates, optimizer, done, result, config)
+            _save_checkpoint(out, gates, optimizer, done, result, config, fingerprint)
             summary = {"variant": config.variant, "budget": config.budget, "steps": done,
                        "seconds": round(result.seconds, 1), "config": asdict(config),
                        "heldout": result.heldout[-1] if result.heldout else {}}
