@@ -367,6 +367,6 @@ def test_train_does_not_resume_another_models_checkpoint(tmp_path):
             train_gates(other, tokenizer, TrainConfig(**{**config.__dict__, "steps": 2}), output_dir=tmp_path,
                         progress=False)
     (tmp_path / "checkpoint.safetensors").write_bytes(b"\x00" * 10)
-    with torch.enable_grad(), pytest.raises(ValueError, match="cannot be read.*--no-resume"):
+    with torch.enable_grad(), pytest.raises(ValueError, match=r"cannot be read.*--no-resume"):
         train_gates(model, tokenizer, TrainConfig(**{**config.__dict__, "steps": 2}), output_dir=tmp_path,
                     progress=False)
