@@ -8,7 +8,7 @@ from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
-from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError, check_config
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "PolicyConfigError",
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
+    "check_config",
     "compress_context",
     "list_policies",
     "load_default_model",
