@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ALL_ARCHS, EAGER_ARCHS, build_model, get_model
+from conftest import ALL_ARCHS, ARCHS, EAGER_ARCHS, build_model, get_model
 from helpers import generate, managed_layers, prompt, reference_cache, sliding_layers
 from test_shared_prefill import _assert_same_state
 from transformers import BartConfig, DeepseekV3Config, DynamicCache, Qwen3NextConfig, T5Config
@@ -268,3 +268,14 @@ def test_unrecognised_attention_module_is_refused():
     with pytest.raises(kvsieve.UnsupportedArchitectureError, match="attention module"):
         kvsieve.KVCache(model, "full")
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("scenario", ["dynamic", "static", "left_pad_generate"])
+@pytest.mark.parametrize("arch", [a for a in ALL_ARCHS if a not in ARCHS])
+def test_other_caches_still_get_the_untouched_model(arch, scenario):
+    """After serving a KVCache, the model's own attention (eager for Gemma2/GPT-OSS) runs for other caches."""
+    from test_foreign_caches import SCENARIOS, _assert_equal
+
+    served, untouched = build_model(arch), build_model(arch)
+    served(prompt(length=12, seed=9), **cache_kwargs(served, kvsieve.KVCache(served, "snapkv", budget=8, window=4)))
+    _assert_equal(SCENARIOS[scenario](served), SCENARIOS[scenario](untouched))

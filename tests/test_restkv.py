@@ -20,7 +20,6 @@ from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import OutputReconstruction
 from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
 from kvsieve.scores.smoothing import (
-from kvsieve.transformers_adapter import cache_kwargs
     adaptive_spatial_smoothing,
     adaptive_window,
     ema_over_window,
@@ -28,6 +27,7 @@ from kvsieve.transformers_adapter import cache_kwargs
     shifted_window_mean,
     top_index_mean,
 )
+from kvsieve.transformers_adapter import cache_kwargs
 
 BATCH, Q_HEADS, KV_HEADS, D, HIDDEN = 2, 4, 2, 8, 12
 GROUPS = Q_HEADS // KV_HEADS
@@ -458,7 +458,8 @@ def test_budget_ge_prompt_is_exact(arch, model, ref_model, case):
         torch.testing.assert_close(ours, ref, atol=tol, rtol=0)
     _, prefill_logits = reference_cache(ref_model, ids)
     with pytest.warns(UserWarning, match="nothing was compressed"):
-        assert torch.equal(model(ids, **cache_kwargs(model, make_cache(model, case, budget=budget))).logits, prefill_logits)
+        cache = make_cache(model, case, budget=budget)
+        assert torch.equal(model(ids, **cache_kwargs(model, cache)).logits, prefill_logits)
 
 
 def test_adakv_with_restkv_base_matches_ada_restkv():

@@ -116,8 +116,8 @@ def test_fresh_gates_with_budget_covering_everything_equal_full_cache(policy):
     cache = kvsieve.KVCache(model, policy, budget=64, gates=_gates(model, spread=False))
     out = model.generate(ids, max_new_tokens=8, do_sample=False, **cache_kwargs(model, cache), output_logits=True,
                          return_dict_in_generate=True)
-    full = ref.generate(ids, max_new_tokens=8, do_sample=False, **cache_kwargs(model, DynamicCache()), output_logits=True,
-                        return_dict_in_generate=True)
+    full = ref.generate(ids, max_new_tokens=8, do_sample=False, **cache_kwargs(model, DynamicCache()),
+                        output_logits=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, full.sequences)
     for a, b in zip(out.logits, full.logits, strict=True):
         assert torch.equal(a, b)

@@ -256,7 +256,8 @@ def load_model(
     """Load ``(model, tokenizer)`` from ``spec`` (see the module docstring) in ``dtype`` on ``device``.
 
     The model comes back in eval mode with gradients off (an inference model), SDPA attention (eager for
-    models that cannot run SDPA: Gemma2, GPT-OSS), and a pad token set. Arguments are checked, and a local model's architecture read, before any weight is loaded.
+    models that cannot run SDPA: Gemma2, GPT-OSS), and a pad token set. Arguments are checked, and a local
+    model's architecture read, before any weight is loaded.
 
     Args:
         spec: ``"smollm2"``, ``"tiny-llama"``, a folder, a ``.gguf`` file, a hub id or ``module:function``.
