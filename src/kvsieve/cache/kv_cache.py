@@ -208,7 +208,7 @@ class KVCache(Cache):
     """A compressed KV cache for one model and one policy.
 
     Args:
-        model: a supported causal LM (see :data:`kvsieve.models.ARCHITECTURES`). The model instance is
+        model: a decoder-only causal LM (see :mod:`kvsieve.models.architectures`). The model instance is
             switched to the ``"kvsieve"`` attention (the model's own attention when no kvsieve cache is used).
         policy: a :class:`Policy`, a registered name, or None for ``full``.
         **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``).
