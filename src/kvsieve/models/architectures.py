@@ -171,13 +171,18 @@ def _attention_child(layer: torch.nn.Module) -> tuple[str, str] | None:
     """``(child name, output projection name)`` of the attention module of one decoder layer, or None."""
     found = []
     for name, child in layer.named_children():
-        out = next((o for o in _OUTPUT_NAMES if isinstance(getattr(child, o, None), torch.nn.Module)), None)
-        has_qkv = any(all(isinstance(getattr(child, p, None), torch.nn.Module) for p in names) for names in _QKV_NAMES)
+        # Linear projections only: ``W_O`` is read as a Linear weight (ReST-KV, CAOTE); GPT-2's Conv1D is not one
+        out = next((o for o in _OUTPUT_NAMES if isinstance(getattr(child, o, None), torch.nn.Linear)), None)
+        has_qkv = any(all(isinstance(getattr(child, p, None), torch.nn.Linear) for p in names) for names in _QKV_NAMES)
         if out is not None and has_qkv:
             found.append((name, out))
     if len(found) > 1:  # e.g. self- and cross-attention: prefer the self-attention module
         found = [f for f in found if f[0] == "self_attn"] or found
     return found[0] if len(found) == 1 else None
+
+
+def _describe(model: torch.nn.Module) -> str:
+    return f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
 
 
 def _find_layers(model: torch.nn.Module, num_layers: int) -> tuple[tuple[str, ...], torch.nn.ModuleList]:
@@ -193,8 +198,9 @@ def _find_layers(model: torch.nn.Module, num_layers: int) -> tuple[tuple[str, ..
     ]
     if len(candidates) != 1:
         raise UnsupportedArchitectureError(
-            f"{type(model).__name__}: cannot find its decoder layers (a ModuleList of {num_layers} blocks each "
-            f"holding an attention module with q/k/v and output projections); found {len(candidates)} candidates"
+            f"{_describe(model)}: kvsieve cannot find its decoder layers (a ModuleList of {num_layers} blocks "
+            "each holding an attention module with Linear q/k/v (or fused qkv) and output projections); found "
+            f"{len(candidates)} candidates. Tested architectures: {sorted(TESTED_MODEL_TYPES)}"
         )
     name, module = candidates[0]
     return tuple(name.split(".")), module
@@ -216,8 +222,9 @@ def architecture_of(model: torch.nn.Module) -> ArchitectureSpec:
     if names[0] is None or any(n != names[0] for n in names):
         missing = next(i for i, n in enumerate(names) if n is None or n != names[0])
         raise UnsupportedArchitectureError(
-            f"{type(model).__name__}: decoder layer {missing} has no attention module kvsieve recognises (a child "
-            f"with q/k/v or fused qkv projections and one of {_OUTPUT_NAMES}), or not the same as layer 0's"
+            f"{_describe(model)}: decoder layer {missing} has no attention module kvsieve recognises (a child with "
+            f"Linear q/k/v or fused qkv projections and a Linear output projection, one of {_OUTPUT_NAMES}), or "
+            f"not the same as layer 0's. Tested architectures: {sorted(TESTED_MODEL_TYPES)}"
         )
     attention_attr, output_attr = names[0]
     return ArchitectureSpec(str(getattr(config, "model_type", None)), path, attention_attr, output_attr)
