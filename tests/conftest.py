@@ -3,7 +3,11 @@
 Each architecture has two instances with identical weights:
 
 * ``model`` — the one handed to ``kvsieve.KVCache`` (which switches it to the ``"kvsieve"`` attention);
-* ``ref_model`` — plain transformers with ``attn_implementation="sdpa"``, used with ``DynamicCache``.
+* ``ref_model`` — plain transformers with ``attn_implementation="sdpa"`` (``"eager"`` for the
+  architectures SDPA cannot run: Gemma2's soft-capping, GPT-OSS's sinks), used with ``DynamicCache``.
+
+``ARCHS`` (six architectures) parametrises the broad test modules; ``ALL_ARCHS`` adds one tiny config
+per further architecture (and Llama with llama3 rope scaling), checked in ``test_architectures.py``.
 
 Both are built once per session (cheap: ~20 ms each) and never trained; tests only read them.
 """
@@ -13,18 +17,30 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 # With 2 cores, intra-op threading makes every tiny op ~10 ms slower (thread hand-off dominates);
@@ -32,8 +48,17 @@ from transformers import (
 torch.set_num_threads(1)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+#: Every architecture with a tiny config: ARCHS plus the ones only ``test_architectures.py`` runs.
+ALL_ARCHS = (*ARCHS, "llama3", "qwen3_moe", "gemma2", "olmo2", "granite", "smollm3", "gpt_oss")
+#: Architectures that cannot run SDPA (soft-capping, sinks): built with ``eager``, served by "kvsieve_eager".
+EAGER_ARCHS = ("gemma2", "gpt_oss")
 #: Gemma3's sliding-window layers (0 and 2 of 3); layer 1 is full attention.
 GEMMA3_SLIDING_WINDOW = 16
+#: Gemma2's and GPT-OSS's sliding layers (0 and 2 of 3), shorter than the test prompts.
+HYBRID_SLIDING_WINDOW = 8
+#: Gemma2's soft-cap, small enough for the tiny model's logits to be capped (its default, 50, would not bite).
+GEMMA2_SOFTCAP = 0.5
+_HYBRID_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 VOCAB = 128
 PAD_ID = 0
 
@@ -51,8 +76,14 @@ _COMMON = {
 }
 
 
-def build_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+def default_implementation(arch: str) -> str:
+    """``eager`` for the architectures SDPA cannot run, else ``sdpa``."""
+    return "eager" if arch in EAGER_ARCHS else "sdpa"
+
+
+def build_model(arch: str, attn_implementation: str | None = None, seed: int = 0) -> torch.nn.Module:
     """A tiny fp32 causal LM in eval mode; same ``seed`` → same weights."""
+    attn_implementation = attn_implementation or default_implementation(arch)
     if arch == "llama":
         config, cls = LlamaConfig(**_COMMON), LlamaForCausalLM
     elif arch == "qwen2":
@@ -71,11 +102,41 @@ def build_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0) -> 
         cls = Gemma3ForCausalLM
     elif arch == "phi3":
         config, cls = Phi3Config(**_COMMON, sliding_window=None), Phi3ForCausalLM
+    elif arch == "llama3":  # llama3 rope scaling (frequency-dependent), original context shorter than the prompts
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        config, cls = LlamaConfig(**_COMMON, rope_parameters=rope), LlamaForCausalLM
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        cls = Qwen3MoeForCausalLM
+    elif arch == "gemma2":
+        config = Gemma2Config(**_COMMON, head_dim=16, sliding_window=HYBRID_SLIDING_WINDOW, layer_types=_HYBRID_TYPES,
+                              attn_logit_softcapping=GEMMA2_SOFTCAP, initializer_range=0.2)
+        cls = Gemma2ForCausalLM
+    elif arch == "olmo2":  # post-norm, QK-norm over the whole projection
+        config, cls = Olmo2Config(**_COMMON), Olmo2ForCausalLM
+    elif arch == "granite":  # every multiplier away from 1 (attention_multiplier is the attention scaling)
+        config = GraniteConfig(**_COMMON, attention_multiplier=0.5, logits_scaling=2.0, residual_multiplier=0.5,
+                               embedding_multiplier=3.0, initializer_range=0.1)
+        cls = GraniteForCausalLM
+    elif arch == "smollm3":  # layer 1 has no rotary embedding (NoPE)
+        config, cls = SmolLM3Config(**_COMMON, no_rope_layers=[1, 0, 1]), SmolLM3ForCausalLM
+    elif arch == "gpt_oss":  # learned sinks, alternating sliding/full layers, MoE
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
+        config = GptOssConfig(**_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=HYBRID_SLIDING_WINDOW, layer_types=_HYBRID_TYPES, rope_parameters=rope)
+        cls = GptOssForCausalLM
     else:
         raise ValueError(arch)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = cls(config).eval().to(torch.float32)
+    if arch == "gpt_oss":  # sinks that take a real share of every softmax row (init std is 0.02)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=generator) * 2.0)
     # Never stop early on a random EOS: batch rows and single prompts must run the same steps.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD_ID
@@ -92,7 +153,7 @@ def get_model(arch: str, role: str) -> torch.nn.Module:
         _MODELS[key] = build_model(arch)
     model = _MODELS[key]
     if role == "ref":
-        assert model.config._attn_implementation == "sdpa", "reference model must stay plain sdpa"
+        assert model.config._attn_implementation == default_implementation(arch), "reference must stay plain"
     return model
 
 

@@ -181,7 +181,7 @@ def test_topk_attention_matches_manual_selection(padded):
     from kvsieve.attention.kernel import attend
     from kvsieve.cache.store import LayerStore
     from kvsieve.engine.step import LayerStep
-    from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
+    from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
     from kvsieve.parts import ExactTopK
 
     generator = torch.Generator().manual_seed(0)
@@ -196,7 +196,7 @@ def test_topk_attention_matches_manual_selection(padded):
         token_valid[1, :3] = False
     store = LayerStore(batch, kv_heads, dim, torch.float32, torch.device("cpu"))
     store.append(keys, values, 0, token_valid)
-    info = ModelInfo(ARCHITECTURES["llama"], 1, kv_heads * groups, kv_heads, dim, (None,))
+    info = ModelInfo(ArchitectureSpec(), 1, kv_heads * groups, kv_heads, dim, (None,))
     step = LayerStep(module=None, layer_idx=0, info=info, query=query, first_position=length - 1,
                      query_valid=None, store=store, scaling=scaling)
     view = step.view

@@ -46,8 +46,9 @@ def test_folder_loads_the_saved_weights_ready_for_inference(tiny_folder: Path) -
 
 
 def test_unsupported_architecture_fails_before_any_weight_is_read(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no weights in the folder at all
-    with pytest.raises(kvsieve.UnsupportedArchitectureError, match=r"'gpt2'.*supported: \['gemma3_text', 'llama'"):
+    # no weights in the folder at all
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    with pytest.raises(kvsieve.UnsupportedArchitectureError, match=r"'t5' is an encoder-decoder model"):
         kvsieve.load_model(str(tmp_path))
     assert main(["niah", "--model", str(tmp_path), "--output", str(tmp_path / "x.json")]) == 2
     assert not (tmp_path / "x.json").exists()
@@ -289,3 +290,10 @@ def test_a_corrupted_default_model_export_repairs_itself(tiny_folder: Path, tmp_
     (folder / default_model._MARKER).write_text(json.dumps({"files": files}))
     third, _ = default_model.load_default_model(cache_dir=tmp_path)
     assert len(exports) == 3 and torch.equal(next(third.parameters()), expected)
+
+
+def test_a_config_that_is_not_an_object_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list"):
+        kvsieve.load_model(str(tmp_path))
+    assert main(["niah", "--model", str(tmp_path), "--output", str(tmp_path / "x.json")]) == 2

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 import kvsieve
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.step import LayerStep
-from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
+from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import OutputReconstruction
 from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
 from kvsieve.scores.smoothing import (
@@ -244,7 +244,7 @@ def synthetic_step(seed: int) -> tuple[LayerStep, torch.Tensor, torch.Tensor, to
         o_proj.weight.copy_(torch.randn(HIDDEN, Q_HEADS * D, generator=generator))
     store = LayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
     store.append(keys, values, 0, None)
-    info = ModelInfo(ARCHITECTURES["llama"], 1, Q_HEADS, KV_HEADS, D, (None,))
+    info = ModelInfo(ArchitectureSpec(), 1, Q_HEADS, KV_HEADS, D, (None,))
     step = LayerStep(
         module=SimpleNamespace(o_proj=o_proj), layer_idx=0, info=info, query=query,
         first_position=0, query_valid=None, store=store, scaling=D**-0.5,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import kvsieve
 from kvsieve.cache.store import LayerStore, SideSpec
 from kvsieve.engine.step import LayerStep
-from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
+from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import AccumulatedAttention, LastQueryAttention, Scorer, Sinks, WindowAttention
 from kvsieve.parts.scorers.h2o import ACCUMULATOR
 
@@ -28,7 +28,7 @@ def make_step(seed: int = 0) -> tuple[LayerStep, torch.Tensor]:
     values = torch.randn(BATCH, KV_HEADS, N, D, generator=generator)
     store = LayerStore(BATCH, KV_HEADS, D, torch.float32, torch.device("cpu"))
     store.append(keys, values, 0, None)
-    info = ModelInfo(ARCHITECTURES["llama"], 1, Q_HEADS, KV_HEADS, D, (None,))
+    info = ModelInfo(ArchitectureSpec(), 1, Q_HEADS, KV_HEADS, D, (None,))
     step = LayerStep(
         module=None,
         layer_idx=0,

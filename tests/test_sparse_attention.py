@@ -21,7 +21,7 @@ from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.step import LayerStep
-from kvsieve.models.architectures import ARCHITECTURES, ModelInfo
+from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import ExactTopK
 from kvsieve.parts.allocators.two_stage import stage1_keep
 from kvsieve.parts.base import PolicyConfigError
@@ -93,7 +93,7 @@ def _store_step(batch=2, kv_heads=2, groups=3, length=37, dim=8, seed=0, padded=
     for hook in hooks:
         store.add_hook(hook)
     store.append(keys, values, 0, token_valid)
-    info = ModelInfo(ARCHITECTURES["llama"], 1, kv_heads * groups, kv_heads, dim, (None,))
+    info = ModelInfo(ArchitectureSpec(), 1, kv_heads * groups, kv_heads, dim, (None,))
     step = LayerStep(module=None, layer_idx=0, info=info, query=query, first_position=length - 1,
                      query_valid=None, store=store, scaling=dim**-0.5)
     return store, step

@@ -108,15 +108,16 @@ def test_list_policies_has_the_builtins():
     assert expected <= set(kvsieve.list_policies())
 
 
-def test_unsupported_architecture_lists_supported():
+def test_unrecognised_architecture_says_why_and_lists_tested():
+    """GPT-2's attention has Conv1D projections (no Linear ``W_O``): refused, naming it, before any change."""
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
     config._attn_implementation = "sdpa"
     gpt2 = GPT2LMHeadModel(config).eval()
     with pytest.raises(UnsupportedArchitectureError) as info:
         kvsieve.KVCache(gpt2, "snapkv", budget=8, window=4)
-    for supported in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"):
+    for supported in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma2", "gpt_oss"):
         assert supported in str(info.value)
-    assert "gpt2" in str(info.value)
+    assert "gpt2" in str(info.value) and "attention module" in str(info.value)
     assert gpt2.config._attn_implementation == "sdpa"
 
 

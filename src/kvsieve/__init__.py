@@ -8,7 +8,7 @@ from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
-from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError, check_config
 from kvsieve.models.loading import ModelNotFoundError, TokenizerNotFoundError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
 from kvsieve.transformers_adapter import cache_kwargs
@@ -44,6 +44,7 @@ __all__ = [
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
     "cache_kwargs",
+    "check_config",
     "compress_context",
     "list_policies",
     "load_default_model",

@@ -43,6 +43,22 @@ locked set in ``requirements/constraints.txt``).
 9. **Attention-module keyword arguments.** The attention module receives ``hidden_states`` (the normed
    layer input) and the cache keyword; the attention function receives ``scaling``,
    ``sliding_window``, ``softcap`` (Gemma2) and ``s_aux`` (GPT-OSS's learned sinks) as keywords.
+   kvsieve reads them into one ``AttentionForm`` (:func:`kvsieve.attention.forward.attention_form`); with
+   soft-capping or sinks its kernel computes attention explicitly, in the order of the modeling files'
+   ``eager_attention_forward`` (scale, ``tanh(x / cap)·cap``, mask, softmax with the sink column, drop it).
+10. **Model structure, read generically** (:mod:`kvsieve.models.architectures`, which reads attributes only,
+    no transformers submodule): decoder layers at ``model.model.layers`` (else the one ``ModuleList`` of
+    ``num_hidden_layers`` blocks holding an attention module); the attention module is the layer child with
+    ``q_proj/k_proj/v_proj`` (or fused ``qkv_proj``) and ``o_proj``, carrying ``layer_idx`` and ``head_dim``;
+    its ``sliding_window`` attribute (Qwen2/3, Qwen3-MoE, Gemma2/3, GPT-OSS, SmolLM3) is the window it passes
+    to the attention function; Mistral/Phi3 have none and pass ``config.sliding_window`` for every layer.
+    Config fields: ``layer_types`` (``full_attention``/``sliding_attention``; other values are linear or
+    recurrent layers), ``no_rope_layers`` (SmolLM3: 0 marks a NoPE layer), ``kv_lora_rank``/``q_lora_rank``
+    (multi-head latent attention), ``is_encoder_decoder``, ``use_bidirectional_attention``.
+11. **Default attention at load time.** ``from_pretrained(attn_implementation=None)`` picks ``sdpa`` and
+    falls back to ``eager`` for models that declare ``_supports_sdpa = False`` (Gemma2, GPT-OSS); asking for
+    ``"sdpa"`` explicitly raises for them. ``AutoConfig.for_model(**config_json)`` builds a config (class
+    defaults and attribute maps) from ``config.json`` without reading weights.
 """
 
 from __future__ import annotations

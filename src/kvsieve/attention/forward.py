@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import KvsieveMask
 from kvsieve.transformers_adapter import attention_function, module_eager_attention
 
@@ -30,6 +31,18 @@ def original_attention(original: str, module: torch.nn.Module) -> Callable[..., 
     if original == "eager":
         return module_eager_attention(module)
     return attention_function(original)
+
+
+def attention_form(query: torch.Tensor, kwargs: dict[str, Any]) -> AttentionForm:
+    """The form the model asked for: ``scaling`` (default ``d^-0.5``), ``softcap`` (Gemma2's soft-capping) and
+    ``s_aux`` (GPT-OSS's learned sinks, one logit per query head), as the attention function receives them."""
+    scaling = kwargs.get("scaling")
+    sinks = kwargs.get("s_aux")
+    return AttentionForm(
+        float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
+        kwargs.get("softcap"),
+        None if sinks is None else sinks.detach(),
+    )
 
 
 def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -55,9 +68,7 @@ def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, t
                 "gives none for them); use another cache to inspect attention weights",
                 stacklevel=2,
             )
-        scaling = kwargs.get("scaling")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return layer.attend(module, query, padding, scale, kwargs.get("sliding_window")), None
+        return layer.attend(module, query, padding, attention_form(query, kwargs), kwargs.get("sliding_window")), None
 
     kvsieve_attention_forward.__qualname__ = f"kvsieve_attention_forward[{original}]"
     return kvsieve_attention_forward

@@ -9,14 +9,21 @@ Everything kvsieve attends with goes through here, with the same three optional 
 * a **subset** of entries per query head (``(batch, q_heads, k)`` indices), for decoding-time
   selection (``exact_topk``; Quest, SparQ, HSA): only those entries are gathered and attended.
 
-Outputs use SDPA underneath (transformers' ``sdpa_attention_forward``, so GQA is handled as
-transformers does). Statistics (:func:`attention_rows`, :func:`column_sums`) compute explicit softmax
-rows in float32, only for the queries a scorer needs, blockwise, never an N×N matrix.
+The logits are those the model attends with, described by one :class:`AttentionForm`: the model's
+``scaling``, Gemma2's attention-logit **soft-capping** (``tanh(x / cap)·cap`` of the scaled logits, before
+the mask and the bias) and GPT-OSS's learned **sinks** (one logit per query head that joins every
+softmax as an extra column and is then dropped, so a row sums to less than one). Outputs use SDPA
+underneath (transformers' ``sdpa_attention_forward``, so GQA is handled as transformers does) when the
+form is plain; SDPA can do neither soft-capping nor sinks, so with either the output is computed
+explicitly (:func:`explicit_attention`, the same operations in the same order as the modeling file's
+eager attention). Statistics (:func:`attention_rows`, :func:`column_sums`) compute explicit softmax rows
+in float32 with the same form, only for the queries a scorer needs, blockwise, never an N×N matrix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +31,78 @@ from kvsieve.transformers_adapter import sdpa_attention
 
 #: Queries per block when summing attention columns over many queries.
 QUERY_BLOCK = 256
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionForm:
+    """How one attention layer turns ``q·k`` into weights: ``softmax([cap(q·k·scaling) + mask, sinks])``.
+
+    ``softcap``: Gemma2's ``attn_logit_softcapping`` (None: none); ``sinks``: GPT-OSS's learned sink logit
+    per query head ``(q_heads,)`` (None: none). The model passes both to the attention function at every
+    call (``softcap=``, ``s_aux=``).
+    """
+
+    scaling: float
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether outputs need the explicit path (SDPA cannot soft-cap or add sinks)."""
+        return self.softcap is not None or self.sinks is not None
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Soft-capped logits ``tanh(x / cap)·cap`` (the modeling files' order of operations); unchanged without."""
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+
+def as_form(form: AttentionForm | float) -> AttentionForm:
+    """A plain scaling is the form without soft-capping or sinks."""
+    return form if isinstance(form, AttentionForm) else AttentionForm(float(form))
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Float32 softmax over the last dim; with ``sinks`` (broadcastable to ``logits[..., :1]``) each row gets
+    one more column, its sink logit, which takes its share of the mass and is dropped (GPT-OSS)."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
+
+
+def explicit_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    form: AttentionForm,
+) -> torch.Tensor:
+    """Attention output ``(batch, q, q_heads, d)`` computed explicitly, as a modeling file's eager attention.
+
+    ``keys``/``values`` ``(batch, kv_heads, n, d)`` are repeated per query head (``repeat_kv``);
+    ``mask`` is None (every key visible), boolean (True: visible) or an additive float mask, broadcastable
+    to ``(batch, q_heads, q, n)``. Logits ``q·k·scaling`` are soft-capped, masked, soft-maxed in float32
+    with the sinks, and cast back to the values' dtype.
+    """
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    logits = form.cap(torch.matmul(query, keys.transpose(2, 3)) * form.scaling)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    sinks = None if form.sinks is None else form.sinks.reshape(1, -1, 1, 1)
+    probs = softmax_with_sinks(logits, sinks).to(values.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous()
+
+
+def causal_mask(q_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``(1, 1, q, q)`` causal mask of a prompt attending to itself."""
+    return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()[None, None]
 
 
 def any_along(mask: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
@@ -106,7 +185,7 @@ def attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    scaling: float,
+    form: AttentionForm | float,
     subset: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     key_valid: torch.Tensor | None = None,
@@ -118,9 +197,14 @@ def attend(
     (single decoding query): each query head attends to its ``k`` entries only, gathered without
     repeating the unselected ones; ``bias`` and ``key_valid`` (``(batch, kv_heads, n)``) apply to them.
     ``blend`` ``(weight (batch, q_heads), fallback (batch, q_heads, d))`` (subset only) returns
-    ``weight · output + (1 − weight) · fallback`` (SparQ's mean-value mix).
+    ``weight · output + (1 − weight) · fallback`` (SparQ's mean-value mix). ``form`` (or a plain scaling):
+    with soft-capping or sinks the output is computed by :func:`explicit_attention` instead of SDPA.
     """
+    form = as_form(form)
+    scaling = form.scaling
     if subset is None:
+        if form.explicit:
+            return explicit_attention(query, keys, values, mask, form)
         if keys.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) != 1:
             # keys already stored per query head (``expand_gqa``): transformers' wrapper would repeat them again
             out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
@@ -144,10 +228,12 @@ def attend(
             valid = key_valid.reshape(-1).index_select(0, flat).view(batch, q_heads, 1, k)
             sub_mask = sub_mask.masked_fill(~valid, float("-inf"))
     # keys are already per query head: plain SDPA (transformers' wrapper would repeat them per group again)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, sub_keys, sub_values, attn_mask=sub_mask, scale=scaling
-    )
-    output = output.transpose(1, 2).contiguous()
+    if form.explicit:
+        output = explicit_attention(query, sub_keys, sub_values, sub_mask, form)
+    else:
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, sub_keys, sub_values, attn_mask=sub_mask, scale=scaling
+        ).transpose(1, 2).contiguous()
     if blend is not None:
         weight = blend[0].to(output.dtype)[:, None, :, None]
         output = weight * output + (1.0 - weight) * blend[1].to(output.dtype)[:, None]
@@ -165,33 +251,43 @@ def _grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> 
 
 
 def attention_logits(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, form: AttentionForm | float, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Float32 logits ``(batch, kv_heads, groups, q, n)`` with the per-entry ``bias`` added."""
-    logits = _grouped_logits(query, keys, scaling)
+    """Float32 logits ``(batch, kv_heads, groups, q, n)``: scaled, soft-capped, then the per-entry ``bias`` added."""
+    form = as_form(form)
+    logits = form.cap(_grouped_logits(query, keys, form.scaling))
     if bias is not None:
         logits = logits + bias.float()[:, :, None, None, :]
     return logits
+
+
+def _grouped_sinks(form: AttentionForm, kv_heads: int) -> torch.Tensor | None:
+    """The sink logits laid out like :func:`attention_logits` ``(1, kv_heads, groups, 1, 1)``, float32."""
+    if form.sinks is None:
+        return None
+    return form.sinks.detach().float().reshape(1, kv_heads, -1, 1, 1)
 
 
 def attention_rows(
     query: torch.Tensor,
     keys: torch.Tensor,
     mask: torch.Tensor | None,
-    scaling: float,
+    form: AttentionForm | float,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention ``(batch, q_heads, q, n)`` in float32 of ``query`` over ``keys``.
 
     ``mask`` (broadcastable to ``(batch, kv_heads, q, n)``) comes from :func:`visibility_mask`; None: every
     key is visible (a decoding query over a cache without padding). Rows with no visible key (padding
-    queries) are all zero.
+    queries) are all zero. ``form``: soft-capping and sinks as the model attends (with sinks a row sums
+    to less than one: the sink's share is dropped).
     """
+    form = as_form(form)
     batch, q_heads, q_len, _ = query.shape
-    logits = attention_logits(query, keys, scaling, bias)
+    logits = attention_logits(query, keys, form, bias)
     if mask is not None:
         logits.masked_fill_(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = softmax_with_sinks(logits, _grouped_sinks(form, keys.shape[1]))
     if mask is not None and some_row_sees_nothing(mask):  # such a row is NaN after softmax
         probs = torch.nan_to_num(probs, nan=0.0)
     return probs.view(batch, q_heads, q_len, keys.shape[2])
@@ -201,7 +297,7 @@ def column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,
     mask: torch.Tensor | Callable[[int, int], torch.Tensor],
-    scaling: float,
+    form: AttentionForm | float,
     query_weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -213,8 +309,10 @@ def column_sums(
     only reads the keys up to the last one any of its queries can see (under a causal prefill, about
     half the work); the keys past it would only add exact zeros. Only the columns that some query of
     the block cannot see are masked (under a causal prefill, the block's own diagonal square), which
-    gives the same softmax as masking every column.
+    gives the same softmax as masking every column (sinks are one more column every query sees).
     """
+    form = as_form(form)
+    sinks = _grouped_sinks(form, keys.shape[1])
     batch, q_heads, q_len, _ = query.shape
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
     for lo in range(0, q_len, QUERY_BLOCK):
@@ -231,11 +329,11 @@ def column_sums(
         if limit == 0:
             continue
         block_bias = None if bias is None else bias[..., :limit]
-        logits = attention_logits(query[:, :, lo:hi], keys[:, :, :limit], scaling, block_bias)
+        logits = attention_logits(query[:, :, lo:hi], keys[:, :, :limit], form, block_bias)
         if first_hidden < limit:
             hidden = ~block_mask[..., first_hidden:limit].unsqueeze(2)
             logits[..., first_hidden:limit].masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = softmax_with_sinks(logits, sinks)
         if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
         if query_weight is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvsieve.attention.forward import LAYER_TAG
+from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.register import prepare_model
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.engine import Engine
@@ -127,7 +128,7 @@ class KVLayer(CacheLayerMixin):
         module: torch.nn.Module,
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        scaling: float,
+        form: AttentionForm,
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Called by the registered attention function with this layer's tagged keys: the engine's work."""
@@ -136,10 +137,10 @@ class KVLayer(CacheLayerMixin):
             raise ValueError(
                 "this KVCache was built for another model instance; build one KVCache per model (KVCache(model, ...))"
             )
-        output = self.cache.engine.attend(self, module, query, attention_mask, scaling, sliding_window)
+        output = self.cache.engine.attend(self, module, query, attention_mask, form, sliding_window)
         memo: dict[object, torch.Tensor] = {}  # statistics of the same entries, computed once for all
         for follower in self.followers:
-            follower.cache.engine.observe_only(follower, module, query, attention_mask, scaling, sliding_window, memo)
+            follower.cache.engine.observe_only(follower, module, query, attention_mask, form, sliding_window, memo)
         return output
 
     def get_seq_length(self) -> int:
@@ -207,7 +208,7 @@ class KVCache(Cache):
     """A compressed KV cache for one model and one policy.
 
     Args:
-        model: a supported causal LM (see :data:`kvsieve.models.ARCHITECTURES`). The model instance is
+        model: a decoder-only causal LM (see :mod:`kvsieve.models.architectures`). The model instance is
             switched to the ``"kvsieve"`` attention (the model's own attention when no kvsieve cache is used).
         policy: a :class:`Policy`, a registered name, or None for ``full``.
         **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``).

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from kvsieve.attention.kernel import attend, output_mask
+from kvsieve.attention.kernel import AttentionForm, attend, causal_mask, output_mask
 from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.plan import Plan
@@ -153,7 +153,7 @@ class Engine:
         module: torch.nn.Module,
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        scaling: float,
+        form: AttentionForm,
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Append, attend, observe and maybe compact one layer; returns ``(batch, q, q_heads, d)``."""
@@ -170,7 +170,7 @@ class Engine:
         block = self.policy.block_size if not layer.left_alone else None
         block = block or q_len
         if block >= q_len:
-            return self._chunk(layer, module, query, new_keys, new_values, pad, scaling, sliding_window, inputs)
+            return self._chunk(layer, module, query, new_keys, new_values, pad, form, sliding_window, inputs)
         outputs = []
         for lo in range(0, q_len, block):
             hi = min(lo + block, q_len)
@@ -178,7 +178,7 @@ class Engine:
             chunk_inputs = None if inputs is None else inputs[:, lo:hi]
             outputs.append(self._chunk(
                 layer, module, query[:, :, lo:hi], new_keys[:, :, lo:hi], new_values[:, :, lo:hi],
-                chunk_pad, scaling, sliding_window, chunk_inputs,
+                chunk_pad, form, sliding_window, chunk_inputs,
             ))
         return torch.cat(outputs, dim=1)
 
@@ -188,7 +188,7 @@ class Engine:
         module: torch.nn.Module,
         query: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        scaling: float,
+        form: AttentionForm,
         sliding_window: int | None,
         memo: dict[object, torch.Tensor] | None = None,
     ) -> None:
@@ -204,7 +204,7 @@ class Engine:
         assert layer.seen == 0 and query.shape[2] > 1, "observe_only: not a first prompt forward"
         self._settle(layer.layer_idx, continuation=True)
         pad = padding_from_mask(attention_mask)
-        step = self._append(layer, module, query, new_keys, new_values, pad, scaling, sliding_window,
+        step = self._append(layer, module, query, new_keys, new_values, pad, form, sliding_window,
                             layer.take_layer_inputs())
         if memo is not None:
             step._memo = memo
@@ -218,7 +218,7 @@ class Engine:
         new_keys: torch.Tensor,
         new_values: torch.Tensor,
         pad: torch.Tensor | None,
-        scaling: float,
+        form: AttentionForm,
         sliding_window: int | None,
         inputs: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -226,10 +226,15 @@ class Engine:
         store = layer.store
         assert store is not None
         first = layer.seen == 0 and store.total_entries() == 0
-        step = self._append(layer, module, query, new_keys, new_values, pad, scaling, sliding_window, inputs)
+        step = self._append(layer, module, query, new_keys, new_values, pad, form, sliding_window, inputs)
         if first:
             mask = dense_causal_mask(step.q_len, step.q_len, pad, sliding_window, query.device)
-            output = sdpa_attention(module, query, new_keys, new_values, mask, scaling)
+            if form.explicit:  # soft-capping or sinks: SDPA cannot, so as the model's eager attention
+                if mask is None and step.q_len > 1:
+                    mask = causal_mask(step.q_len, query.device)
+                output = attend(module, query, new_keys, new_values, mask, form)
+            else:
+                output = sdpa_attention(module, query, new_keys, new_values, mask, form.scaling)
         else:
             output = self._attend_held(layer, step, module, sliding_window)
         self._after_output(layer, step, sliding_window)
@@ -245,7 +250,7 @@ class Engine:
             keys, values, positions, valid, bias = expanded
             mask = output_mask(lambda: step.query_positions, lambda: positions, valid, sliding_window, step.groups,
                                bias, step.query.dtype, newest_query=step.is_decoding)
-            return attend(module, step.query, keys, values, mask, step.scaling)
+            return attend(module, step.query, keys, values, mask, step.form)
         selector = self.policy.selector
         if selector is not None and step.is_decoding and not layer.left_alone:
             subset = selector.select(step)
@@ -253,15 +258,15 @@ class Engine:
                 blend = None
                 if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
                     subset, blend = subset.indices, (subset.weight, subset.fallback)
-                return attend(module, step.query, view.keys, view.values, None, step.scaling,
+                return attend(module, step.query, view.keys, view.values, None, step.form,
                               subset=subset, bias=bias, key_valid=view.valid, blend=blend)
         if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
-            return attend(module, step.query, view.keys, view.values, None, step.scaling)
+            return attend(module, step.query, view.keys, view.values, None, step.form)
         mask = output_mask(
             lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias,
             step.query.dtype, newest_query=step.is_decoding,
         )
-        return attend(module, step.query, view.keys, view.values, mask, step.scaling)
+        return attend(module, step.query, view.keys, view.values, mask, step.form)
 
     def _append(
         self,
@@ -271,7 +276,7 @@ class Engine:
         new_keys: torch.Tensor,
         new_values: torch.Tensor,
         pad: torch.Tensor | None,
-        scaling: float,
+        form: AttentionForm,
         sliding_window: int | None,
         inputs: torch.Tensor | None,
     ) -> LayerStep:
@@ -288,7 +293,7 @@ class Engine:
         layer.seen = seen + q_len
         step = LayerStep(
             module=module, layer_idx=layer.layer_idx, info=self.info, query=query, first_position=seen,
-            query_valid=token_valid, store=store, scaling=scaling, sliding_window=sliding_window,
+            query_valid=token_valid, store=store, scaling=form.scaling, form=form, sliding_window=sliding_window,
             forward_index=layer.forwards, layer_inputs=inputs,
             allowed=None if layer.left_alone else self._needs,
         )

@@ -1,4 +1,6 @@
-"""Layer inputs for learned scorers: each layer's attention-input hidden states (after the layer's norm).
+"""Layer inputs for learned scorers: each layer's attention-input hidden states (what the attention
+module receives: after the layer's input norm for pre-norm models; the residual stream itself for
+post-norm ones such as OLMo2, which have no input norm).
 
 Learned retention gates (TrimKV/DBTrimKV) score a token from the hidden state its layer's attention
 reads. kvsieve captures it without patching any class and without request state on modules: one
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvsieve.models.architectures import architecture_of, decoder_layers
+from kvsieve.models.architectures import attention_modules
 from kvsieve.transformers_adapter import cache_argument
 
 #: Attribute marking an attention module that already has the kvsieve input hook.
@@ -34,9 +36,7 @@ def _capture(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 def install_layer_input_hooks(model: torch.nn.Module) -> None:
     """Register the stateless capture hook on every attention module of ``model`` (idempotent)."""
-    spec = architecture_of(model)
-    for layer in decoder_layers(model, spec):
-        attention = getattr(layer, spec.attention_attr)
+    for attention in attention_modules(model):
         if not getattr(attention, HOOK_MARK, False):
             attention.register_forward_pre_hook(_capture, with_kwargs=True)
             setattr(attention, HOOK_MARK, True)

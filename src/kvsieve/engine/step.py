@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsieve.attention.kernel import attention_rows, column_sums, visibility_mask
+from kvsieve.attention.kernel import AttentionForm, attention_rows, column_sums, visibility_mask
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
 
@@ -33,7 +33,9 @@ class LayerStep:
 
     ``query`` is ``(batch, q_heads, q, d)`` (post-RoPE); the queries sit at absolute slots
     ``first_position + [0, q)``; ``query_valid`` ``(batch, q)`` marks non-padding queries (None: all real).
-    ``view`` is the dense view of every entry the layer holds, the new ones included.
+    ``view`` is the dense view of every entry the layer holds, the new ones included. ``form`` is how the
+    model turns logits into weights (``scaling``, soft-capping, sinks); statistics use it, so scorers see
+    the attention the model computes. Without one, the form of ``scaling`` alone.
     """
 
     module: torch.nn.Module
@@ -49,7 +51,12 @@ class LayerStep:
     layer_inputs: torch.Tensor | None = None
     #: Statistics the reading part declared (None: any).
     allowed: frozenset[str] | None = None
+    form: AttentionForm | None = None
     _memo: dict[object, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.form is None:
+            self.form = AttentionForm(self.scaling)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -127,7 +134,7 @@ class LayerStep:
             else:
                 positions = self.query_positions[-w:]
                 mask = visibility_mask(positions, self.view.positions, self.view.valid, self.sliding_window)
-            rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.scaling, self.bias())
+            rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.form, self.bias())
             if self.query_valid is not None:
                 rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)
             self._memo[key] = rows
@@ -165,7 +172,7 @@ class LayerStep:
                     return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
 
                 self._memo["colsum"] = column_sums(
-                    self.query, view.keys, block_mask, self.scaling, self.query_valid, self.bias()
+                    self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
                 )
         return self._memo["colsum"]
 

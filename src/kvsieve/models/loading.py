@@ -13,9 +13,12 @@
   so at once and asks for a local path, instead of retrying for half a minute;
 * ``"package.module:function"`` — any importable ``function(dtype=...) -> (model, tokenizer)``.
 
-The architecture (``model_type`` in ``config.json``, ``general.architecture`` in GGUF metadata) is
-checked against :data:`kvsieve.models.architectures.ARCHITECTURES` before any weight is read, so an
-unsupported model fails in milliseconds with the list of supported ones.
+The architecture is checked before any weight is read: ``config.json`` by
+:func:`kvsieve.models.architectures.check_config` (generic: multi-head latent attention, linear/recurrent/
+hybrid layers and encoder-decoder models are refused, naming the reason), a GGUF file's
+``general.architecture`` against the architectures transformers' GGUF loader maps. An unsupported model
+fails in milliseconds. Models that cannot run SDPA (Gemma2's soft-capping, GPT-OSS's sinks) load with
+``eager`` attention, every other with ``sdpa``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
+from kvsieve.models.architectures import TESTED_MODEL_TYPES, UnsupportedArchitectureError, check_config
 
 DEFAULT_MODEL = "smollm2"
 BUILTIN_MODELS = ("smollm2", "tiny-llama")
@@ -94,16 +97,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def _supported_message(found: object, source: str) -> str:
-    return f"{source}: model_type {found!r} is not supported by kvsieve; supported: {sorted(ARCHITECTURES)}"
+def _as_config(config: dict[str, Any]) -> Any:
+    """The ``PretrainedConfig`` a ``config.json`` mapping describes (its class's defaults and attribute names
+    filled in), or the mapping itself for a model type transformers does not know. Reads no weight."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**config)
+    except Exception:  # unknown model type (custom code) or an invalid field: check the mapping as written
+        return config
 
 
 def check_config_architecture(config: dict[str, Any], source: str) -> str:
-    """The ``model_type`` of a ``config.json`` mapping, or :class:`UnsupportedArchitectureError`."""
-    model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(_supported_message(model_type, source))
-    return str(model_type)
+    """The ``model_type`` of a ``config.json`` mapping, or :class:`UnsupportedArchitectureError` naming why
+    kvsieve cannot serve it (:func:`kvsieve.models.architectures.check_config`)."""
+    if not config.get("model_type"):
+        raise UnsupportedArchitectureError(f"{source}: config.json has no model_type")
+    check_config(_as_config(config), source)
+    return str(config["model_type"])
 
 
 def folder_architecture(folder: Path) -> str:
@@ -115,6 +126,8 @@ def folder_architecture(folder: Path) -> str:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ValueError(f"model: cannot read {config_file}: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model: {config_file} holds a JSON {type(config).__name__}, not a config object")
     return check_config_architecture(config, str(folder))
 
 
@@ -134,7 +147,8 @@ def gguf_architecture(path: Path) -> str:
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {arch!r} is not supported by kvsieve; supported GGUF architectures: "
-            f"{sorted(GGUF_ARCHITECTURES)} (model types {sorted(ARCHITECTURES)})"
+            f"{sorted(GGUF_ARCHITECTURES)} (model types {sorted(set(GGUF_ARCHITECTURES.values()))}; any other "
+            f"architecture loads from a Hugging Face folder; tested: {sorted(TESTED_MODEL_TYPES)})"
         )
     return GGUF_ARCHITECTURES[arch]
 
@@ -312,8 +326,9 @@ def _from_pretrained(
         tokenizer_obj = AutoTokenizer.from_pretrained(source, local_files_only=local_only, **kwargs)
     else:
         tokenizer_obj = AutoTokenizer.from_pretrained(where, local_files_only=local_tokenizer)
+    # None: transformers' default, SDPA where the model supports it, else eager (Gemma2, GPT-OSS)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation="sdpa", local_files_only=local_only, **kwargs
+        source, dtype=dtype, attn_implementation=None, local_files_only=local_only, **kwargs
     )
     return model, tokenizer_obj
 
@@ -326,8 +341,9 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from ``spec`` (see the module docstring) in ``dtype`` on ``device``.
 
-    The model comes back in eval mode with gradients off (an inference model), SDPA attention, and a pad
-    token set. Arguments are checked, and a local model's architecture read, before any weight is loaded.
+    The model comes back in eval mode with gradients off (an inference model), SDPA attention (eager for
+    models that cannot run SDPA: Gemma2, GPT-OSS), and a pad token set. Arguments are checked, and a local
+    model's architecture read, before any weight is loaded.
 
     Args:
         spec: ``"smollm2"``, ``"tiny-llama"``, a folder, a ``.gguf`` file, a hub id or ``module:function``.
@@ -337,7 +353,8 @@ def load_model(
             ``.gguf`` files and hub ids only; the built-in models bring their own).
 
     Raises:
-        UnsupportedArchitectureError: the model's type is not one kvsieve supports (lists the supported ones).
+        UnsupportedArchitectureError: a model kvsieve cannot serve (MLA, recurrent/hybrid, encoder-decoder...;
+            the message names the reason).
         ModelNotFoundError: no such path; a hub id while the hub is unreachable and the model is not cached.
         TokenizerNotFoundError: a model folder without tokenizer files and no ``tokenizer``, or a
             ``tokenizer`` folder without them (names the folder and the files looked for).

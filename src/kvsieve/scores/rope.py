@@ -6,7 +6,9 @@ The table is read from the model's config exactly as transformers builds it (``r
 base ``rope_theta``, ``partial_rotary_factor`` — Phi3-style partial rotary, only the first ``rotary_dim``
 dimensions turn — and the static scaled types ``linear``, ``llama3``, ``yarn``, ``proportional`` through
 transformers' own ``ROPE_INIT_FUNCTIONS``). Models with one rope per layer type (Gemma3: a local base
-for sliding layers, a global one for full layers) get the table of the layer's type. Rope types whose
+for sliding layers, a global one for full layers) get the table of the layer's type. Layers without
+rotary embedding (NoPE: SmolLM3's ``no_rope_layers`` entries equal to 0) get the identity table
+(``rotary_dim = 0``): their stored keys are already raw. Rope types whose
 frequencies depend on the sequence length (``dynamic``, ``longrope``) are refused: a stored key cannot
 be un-rotated without knowing the table it was rotated with.
 
@@ -57,8 +59,18 @@ def _layer_params(config: Any, layer_idx: int) -> tuple[dict[str, Any], str | No
     return params, None
 
 
+def uses_rope(config: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` rotates its keys: False for NoPE layers (``config.no_rope_layers[i] == 0``,
+    SmolLM3's convention, 1 meaning the layer uses RoPE)."""
+    flags = getattr(config, "no_rope_layers", None)
+    return flags is None or bool(flags[layer_idx])
+
+
 def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu") -> RotaryTable:
-    """The rotary table layer ``layer_idx`` of a model with ``config`` rotates its keys with."""
+    """The rotary table layer ``layer_idx`` of a model with ``config`` rotates its keys with (identity for NoPE)."""
+    config = getattr(config, "text_config", None) or config
+    if not uses_rope(config, layer_idx):
+        return RotaryTable(torch.zeros(0, device=device, dtype=torch.float32), 1.0, 0)
     params, layer_type = _layer_params(config, layer_idx)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
@@ -94,6 +106,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
     """Raw keys ``(..., d)`` at ``positions`` ``(...)`` → rotated keys (float32), as the model rotates them."""
+    if table.rotary_dim == 0:  # NoPE layer
+        return keys.float()
     cos, sin = _cos_sin(table, positions)
     x = keys.float()
     r = table.rotary_dim
@@ -103,6 +117,8 @@ def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> t
 
 def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
     """Stored (rotated) keys ``(..., d)`` at ``positions`` → raw pre-RoPE keys (float32); inverse of :func:`rotate`."""
+    if table.rotary_dim == 0:  # NoPE layer
+        return keys.float()
     cos, sin = _cos_sin(table, positions)
     x = keys.float()
     r = table.rotary_dim

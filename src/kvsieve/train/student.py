@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvsieve.gates.retention import RetentionGates
-from kvsieve.models.architectures import architecture_of, decoder_layers, model_info
+from kvsieve.models.architectures import architecture_of, attention_modules, decoder_layers, model_info
 from kvsieve.train.gated_attention import gated_attention
 from kvsieve.transformers_adapter import (
     attention_implementation,
@@ -71,6 +71,8 @@ def student_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     if getattr(model.config, "attn_logit_softcapping", None):
         raise ValueError("kvsieve train: models with attention logit soft-capping are not supported")
     spec = architecture_of(model)
+    if any(getattr(m, "sinks", None) is not None for m in attention_modules(model, spec)):
+        raise ValueError("kvsieve train: models with learned attention sinks (GPT-OSS) are not supported")
     register_attention(ATTENTION_NAME, _attention)
     previous = attention_implementation(model)
     handles = [

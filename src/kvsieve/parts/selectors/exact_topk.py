@@ -45,6 +45,8 @@ class ExactTopK(Selector):
         kv_heads = view.keys.shape[1]
         grouped = step.query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float()
         logits = torch.matmul(grouped, view.keys.float().transpose(-1, -2)) * step.scaling  # (b, kv, g, L)
+        if step.form is not None:  # soft-capping before the bias, as the model attends (sinks rank nothing)
+            logits = step.form.cap(logits)
         bias = step.bias()
         if bias is not None:
             logits = logits + bias[:, :, None, :]
