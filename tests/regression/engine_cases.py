@@ -108,7 +108,7 @@ def _turn2_program() -> list[list[Any]]:
 
 
 def policy_fields(name: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(kvsieve.list_policies()[name])}
+    return set(kvsieve.list_policies()[name].parameters())
 
 
 def fit_params(name: str, **params: Any) -> dict[str, Any]:
@@ -116,15 +116,16 @@ def fit_params(name: str, **params: Any) -> dict[str, Any]:
 
     Keys the policy does not accept are dropped; policies that need no budget (``full``) get none.
     """
-    cls = kvsieve.list_policies()[name]
+    preset = kvsieve.list_policies()[name]
+    needs_budget = preset.scorer is not None or preset.selector is not None or preset.base_param
     accepted = policy_fields(name)
     out: dict[str, Any] = {}
-    if cls.needs_budget and "ratio" not in params:
+    if needs_budget and "ratio" not in params:
         out["budget"] = BUDGET
     if "window" in accepted:
         out["window"] = WINDOW
     out.update(params)
-    if not cls.needs_budget:
+    if not needs_budget:
         out.pop("budget", None)
     return {k: v for k, v in out.items() if k in accepted}
 
@@ -204,9 +205,17 @@ SHARED_GROUP: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+def _built(name: str) -> kvsieve.Policy | None:
+    """The preset with the grid's default parameters (None when those cannot build it, e.g. no gates)."""
+    try:
+        return kvsieve.make_policy(name, **fit_params(name))
+    except (kvsieve.PolicyConfigError, ValueError, FileNotFoundError):
+        return None
+
+
 def build_cases() -> list[dict[str, Any]]:
     """Every candidate case (arch-independent); the recorder drops those that raise."""
-    policies = kvsieve.list_policies()
+    policies = {name: _built(name) for name in kvsieve.list_policies()}
     cases: list[dict[str, Any]] = []
     for name in policies:
         for tag in ("b1", "pad"):
@@ -220,7 +229,7 @@ def build_cases() -> list[dict[str, Any]]:
                 )
             )
     for name, cls in policies.items():
-        if not cls.evicts or "ratio" not in policy_fields(name):
+        if cls is None or not cls.evicts or "ratio" not in policy_fields(name):
             continue
         for tag in ("b1", "pad"):
             params = fit_params(name, ratio=RATIO)
@@ -228,7 +237,7 @@ def build_cases() -> list[dict[str, Any]]:
                 _case(f"ratio-{tag}-{name}", "ratio", [(name, params)], INPUTS["ratio"][tag], _program(DECODE_STEPS))
             )
     for name, cls in policies.items():
-        if "decode" not in cls.schedules:
+        if cls is None or "decode" not in cls.schedules():
             continue
         for tag, buffer in (("b1", 0), ("b1", 3)):  # padded: turn2-pad-decode-*
             params = fit_params(name, schedule="decode", buffer=buffer)
@@ -242,7 +251,7 @@ def build_cases() -> list[dict[str, Any]]:
                 )
             )
     for name, cls in policies.items():
-        if "blockwise" not in cls.schedules:
+        if cls is None or "blockwise" not in cls.schedules():
             continue
         for tag in ("b1", "pad"):
             params = fit_params(name, schedule="blockwise", block_size=BLOCK)
@@ -258,9 +267,11 @@ def build_cases() -> list[dict[str, Any]]:
     # Second turn (prefill, 2 steps, 10 new tokens, 2 steps) on the left-padded batch, under every schedule.
     for name, cls in policies.items():
         schedules = [("prefill", {})]
-        if "decode" in cls.schedules:
+        if cls is None:
+            continue
+        if "decode" in cls.schedules():
             schedules.append(("decode", {"schedule": "decode", "buffer": 0}))
-        if "blockwise" in cls.schedules and name not in TURN2_BLOCKWISE_SKIP:
+        if "blockwise" in cls.schedules() and name not in TURN2_BLOCKWISE_SKIP:
             schedules.append(("blockwise", {"schedule": "blockwise", "block_size": BLOCK}))
         for schedule, extra in schedules:
             cases.append(
