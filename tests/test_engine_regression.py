@@ -42,6 +42,10 @@ LEGACY_PARAMS: dict[str, dict[str, Any]] = {
     # AdaKV: the official floor is α·(B - window) outside the window; kvsieve ≤ 0.1 counted the window in it
     "adakv": {"floor": "budget"},
     "ada_restkv": {"floor": "budget"},
+    # PyramidKV: the reference keeps every entry while n ≤ B and is uniform below 2 (B - w); kvsieve ≤ 0.1
+    # applied the pyramid at every length (issue 19.4)
+    "pyramidkv": {"reference_regimes": False},
+    "pyramid_restkv": {"reference_regimes": False},
 }
 
 #: Per-case overrides in the same spirit, applied after :data:`LEGACY_PARAMS`. Keys, from the least to the

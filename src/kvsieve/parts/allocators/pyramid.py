@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvsieve.parts.allocators.base import Allocator
-from kvsieve.parts.base import PolicyConfigError, require_int
+from kvsieve.parts.base import PolicyConfigError, require_bool, require_int
 
 if TYPE_CHECKING:
     from kvsieve.policies.policy import Policy
@@ -35,9 +35,13 @@ class Pyramid(Allocator):
     accepts_ratio: ClassVar[bool] = False
     aliases: ClassVar[dict[str, str]] = {"pyramid_beta": "beta"}
     beta: int = 20
+    #: The reference's regimes for short prompts (keep all when ``n ≤ B``, uniform below ``2 (B - w)``);
+    #: False: the pyramid at every length (kvsieve ≤ 0.1, which evicted under a covering budget).
+    reference_regimes: bool = True
 
     def validate(self) -> None:
         require_int(self.name, "beta", self.beta, 1)
+        require_bool(self.name, "reference_regimes", self.reference_regimes)
 
     def check(self, policy: Policy) -> None:
         if policy.budget is None:
@@ -48,6 +52,8 @@ class Pyramid(Allocator):
     ) -> torch.Tensor:
         """The layer's pyramid budget for rows of long prompts; all entries, or a uniform budget, for short ones."""
         layered = super().nominal(policy, lengths, layer_idx, num_layers, window)
+        if not self.reference_regimes:
+            return layered
         budget = policy.budget
         assert budget is not None  # validated: the pyramid needs an absolute budget
         held = lengths.amax(dim=1, keepdim=True).expand_as(lengths)  # the row's prompt, per head
