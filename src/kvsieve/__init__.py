@@ -7,7 +7,14 @@ model instance to the ``"kvsieve"`` attention (the model's own attention when no
 from kvsieve.attention.register import prepare_model, register_attention
 from kvsieve.cache.kv_cache import KVCache
 from kvsieve.cache.shared_prefill import prefill_shared
-from kvsieve.generation import Answer, CompressedContext, ContextStats, compress_context
+from kvsieve.generation import (
+    Answer,
+    CompressedContext,
+    ContextStats,
+    SavedContextError,
+    compress_context,
+    load_context,
+)
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError, check_config
 from kvsieve.models.loading import ModelNotFoundError, TokenizerNotFoundError
 from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
@@ -40,6 +47,7 @@ __all__ = [
     "ModelNotFoundError",
     "Policy",
     "PolicyConfigError",
+    "SavedContextError",
     "TokenizerNotFoundError",
     "UnknownPolicyError",
     "UnsupportedArchitectureError",
@@ -47,6 +55,7 @@ __all__ = [
     "check_config",
     "compress_context",
     "list_policies",
+    "load_context",
     "load_default_model",
     "load_model",
     "make_policy",

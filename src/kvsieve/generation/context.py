@@ -21,6 +21,7 @@ import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,6 +108,8 @@ class CompressedContext:
     def __init__(self, model: Any, tokenizer: Any, cache: Cache, fmt: PromptFormat, stats: ContextStats) -> None:
         self.model, self.tokenizer, self.format, self.stats = model, tokenizer, fmt, stats
         self._cache = cache
+        #: ``{"name", "budget", "params"}`` of a preset-built cache (what :meth:`save` records); None otherwise.
+        self.policy_spec: dict[str, Any] | None = None
         self._eos = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos), 0)
         self._pad = int(pad)
@@ -121,6 +124,13 @@ class CompressedContext:
             raise ValueError(f"question: expected a non-empty string; got {question!r}")
         ids = list(self.tokenizer(self.format.question_text(question), add_special_tokens=False).input_ids)
         return ids
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Save to ``<path>.safetensors`` + ``<path>.json``; :func:`kvsieve.load_context` reads them back in
+        any process, with the same model (checked by fingerprint) — see :mod:`kvsieve.generation.saved_context`."""
+        from kvsieve.generation.saved_context import save_context
+
+        return save_context(self, path)
 
     def ask(self, question: str, max_new_tokens: int = 64, streamer: Any = None) -> Answer:
         """Answer one question from a copy of the compressed context (greedy; ``streamer`` gets each token:
@@ -241,4 +251,7 @@ def compress_context(
     held, nbytes, full_entries = _held(model, cache, ids.shape[1])
     full_bytes = ids.shape[1] * _full_entry_bytes(model)
     stats = ContextStats(name, int(ids.shape[1]), held, full_entries, nbytes, full_bytes, prefill_s)
-    return CompressedContext(model, tokenizer, cache, fmt, stats)
+    context = CompressedContext(model, tokenizer, cache, fmt, stats)
+    if policy is None or isinstance(policy, str):
+        context.policy_spec = {"name": name, "budget": None if name == FULL else budget, "params": dict(params)}
+    return context

@@ -1,0 +1,97 @@
+"""Compress once, keep for later: a compressed context saved to disk answers like the one that was saved,
+in this process and in another one; another model or dtype is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.eval.model_loader import load_tiny_llama
+
+CONTEXT = " ".join(f"Item {i} is stored in box {(7 * i) % 31}." for i in range(60))
+QUESTIONS = ["Which box holds item 12?", "Name a box."]
+POLICIES = [
+    ("snapkv", {"window": 8}), ("h2o", {"schedule": "decode"}), ("restkv", {"window": 8}),
+    ("ada_restkv", {"window": 8}), ("quest", {}), ("rocketkv_mt", {}), ("ems", {}), ("full", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[tuple[Any, Any]]:
+    yield load_tiny_llama()
+
+
+def _answers(ctx: kvsieve.CompressedContext) -> list[tuple[list[int], list[float]]]:
+    return [(a.token_ids, a.logprobs) for a in [ctx.ask(q, max_new_tokens=6) for q in QUESTIONS]]
+
+
+@pytest.mark.parametrize(("policy", "params"), POLICIES)
+def test_a_loaded_context_answers_as_the_saved_one(tiny, tmp_path: Path, policy: str, params: dict) -> None:
+    model, tokenizer = tiny
+    ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, policy, budget=48, **params)
+    before = _answers(ctx)
+    weights, meta = ctx.save(tmp_path / "ctx")
+    loaded = kvsieve.load_context(tmp_path / "ctx", model, tokenizer)
+    assert loaded.stats == ctx.stats and _answers(loaded) == before
+    if policy != "full":
+        assert torch.equal(loaded.cache.head_lengths(), ctx.cache.head_lengths())
+        for layer in range(model.config.num_hidden_layers):
+            for head in range(model.config.num_key_value_heads):
+                ours, theirs = loaded.cache.kept_entries(layer, 0, head), ctx.cache.kept_entries(layer, 0, head)
+                assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        if ctx.cache.policy.evicts:  # holds what the cache holds, no more
+            assert weights.stat().st_size < 0.6 * ctx.stats.kv_bytes_full
+    assert json.loads(meta.read_text())["policy"]["name"] == policy
+
+
+def test_another_process_answers_the_same(tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, "snapkv", budget=48, window=8)
+    ctx.save(tmp_path / "ctx")
+    expected = _answers(ctx)
+    script = textwrap.dedent(f"""
+        import json, kvsieve, torch
+        from kvsieve.eval.model_loader import load_tiny_llama
+        torch.set_num_threads(1)
+        model, tokenizer = load_tiny_llama()
+        ctx = kvsieve.load_context({str(tmp_path / "ctx")!r}, model, tokenizer)
+        print(json.dumps([(a.token_ids, a.logprobs) for a in [ctx.ask(q, max_new_tokens=6) for q in {QUESTIONS!r}]]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(ids, lp) for ids, lp in got] == [(list(i), list(lp)) for i, lp in expected]
+
+
+def test_another_model_or_dtype_is_refused(tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    kvsieve.compress_context(model, tokenizer, CONTEXT, "snapkv", budget=48, window=8).save(tmp_path / "ctx")
+    other, _ = load_tiny_llama()
+    with torch.no_grad():
+        next(other.parameters()).add_(0.5)
+    with pytest.raises(kvsieve.SavedContextError, match="fingerprint"):
+        kvsieve.load_context(tmp_path / "ctx", other, tokenizer)
+    half, _ = load_tiny_llama(torch.bfloat16)
+    with pytest.raises(kvsieve.SavedContextError, match="bfloat16"):
+        kvsieve.load_context(tmp_path / "ctx", half, tokenizer)
+    weights = tmp_path / "ctx.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(kvsieve.SavedContextError, match="not a readable safetensors"):
+        kvsieve.load_context(tmp_path / "ctx", model, tokenizer)
+
+
+def test_a_policy_object_context_says_how_to_save(tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    policy = kvsieve.make_policy("snapkv", budget=48, window=8)
+    ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, policy)
+    with pytest.raises(kvsieve.SavedContextError, match="preset name"):
+        ctx.save(tmp_path / "ctx")
+    assert not (tmp_path / "ctx.json").exists()
