@@ -272,3 +272,15 @@ def test_records_missing_keys_are_skipped_with_a_message(tmp_path: Path, capsys:
     outcome = run_sweep(config, cell_fn=FakeCell(), load_model=False, progress=False)
     assert outcome.ran == 0 and outcome.rows
     assert main(["plot", str(tmp_path / "sweep"), "--output", str(tmp_path / "plots"), "--formats", "png"]) == 0
+
+
+def test_a_sweep_file_naming_a_function_needs_an_explicit_opt_in(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``model: "pkg.mod:fn"`` in a YAML file imports and calls that function: refused unless trusted."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("model: kvsieve.eval.model_loader:load_tiny_llama\npolicies: [snapkv]\nbudgets: [32]\n"
+                     "tasks: [passkey]\nlengths: [128]\nworkers: 1\nthreads: 1\n"
+                     f"output_dir: {tmp_path / 'out'}\n")
+    assert main(["eval", "--config", str(sweep), "--no-progress"]) == 2
+    assert "--trust-config-code" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main(["eval", "--config", str(sweep), "--trust-config-code", "--no-progress"]) == 0

@@ -10,6 +10,7 @@ from typing import Any
 from kvsieve.eval.results import RECORDS_FILE
 from kvsieve.eval.sweep_config import BACKENDS, CONFIG_KEYS, build_config, load_config_file
 from kvsieve.models.arguments import add_model_arguments
+from kvsieve.models.loading import IMPORT_PATH
 
 
 def _list(text: str) -> list[str]:
@@ -33,6 +34,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, help="local processes (default) or Ray tasks")
     parser.add_argument("--address", help="Ray cluster address (default: start a local Ray instance)")
     add_model_arguments(parser, with_defaults=False, with_tokenizer=False)
+    parser.add_argument("--trust-config-code", action="store_true",
+                        help="let the --config file's model be a package.module:function to import and call "
+                             "(a sweep file naming a function is code: refused without this flag)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -40,6 +44,13 @@ def config_values(args: argparse.Namespace) -> dict[str, Any]:
     """The YAML file's settings overridden by every flag given on the command line."""
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
     values = {key.replace("-", "_"): value for key, value in values.items()}
+    model = values.get("model")
+    if (isinstance(model, str) and IMPORT_PATH.match(model) and args.model is None
+            and not getattr(args, "trust_config_code", False)):
+        raise ValueError(
+            f"--config: {args.config} names model {model!r}, a function kvsieve would import and call: a sweep "
+            "file naming a function is code. Pass --trust-config-code if you trust this file, or --model"
+        )
     for key in CONFIG_KEYS:
         flag = getattr(args, key, None)
         if flag is not None:

@@ -44,7 +44,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "phi3": "phi3", "gemma3": "gemma3_text"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+#: A ``package.module:function`` model spec (imported and called to build the model).
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -168,7 +169,7 @@ def spec_kind(spec: str) -> str:
         if path.suffix.lower() == ".gguf":
             return "gguf"
         raise ModelNotFoundError(f"model: {spec!r} is a file but not a .gguf; pass a model folder or a .gguf file")
-    if _IMPORT_PATH.match(spec):
+    if IMPORT_PATH.match(spec):
         return "function"
     looks_like_path = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
     if not looks_like_path and _HUB_ID.match(spec):
