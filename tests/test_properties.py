@@ -54,6 +54,7 @@ from transformers import DynamicCache, StaticCache
 
 import kvsieve
 from kvsieve.parts.allocators import Adaptive, GlobalBudget
+from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
 from kvsieve.parts.base import PolicyConfigError
 from kvsieve.transformers_adapter import cache_kwargs
@@ -162,14 +163,26 @@ def ratio_target(n: int, ratio: float) -> int:
     return math.ceil(n * (1 - Fraction(repr(ratio))))
 
 
-def layer_target(policy: kvsieve.Policy, cache: kvsieve.KVCache, layer: int, held: int) -> int:
+def layer_target(policy: kvsieve.Policy, cache: kvsieve.KVCache, layer: int, held: int,
+                 row_held: int | None = None) -> int:
+    """The per-head budget of ``layer`` for a head holding ``held`` (its row's longest head ``row_held``;
+    None: an upper bound over every length)."""
     if policy.budget is None:
         assert policy.ratio is not None
         return ratio_target(held, policy.ratio)
     if isinstance(policy.allocator, TwoStageSplit):  # RocketKV's stage 1 keeps ⌈N / c^r⌉ of the N held
         return int(stage1_keep(torch.tensor([held]), policy.budget)[0])
     window = policy.scorer.protected_window() if policy.scorer is not None else 0
-    return policy.allocator.layer_budget(policy.budget, layer, cache.info.num_layers, window)
+    target = policy.allocator.layer_budget(policy.budget, layer, cache.info.num_layers, window)
+    if isinstance(policy.allocator, Pyramid) and policy.allocator.reference_regimes:
+        # the reference's regimes, by the row's prompt: all of n ≤ B, a uniform B below 2 (B - w)
+        if row_held is None:
+            return max(target, policy.budget)
+        if row_held <= policy.budget:
+            return held
+        if row_held < 2 * (policy.budget - window):
+            return policy.budget
+    return target
 
 
 def check_positions(run: RunResult, rows: list[torch.Tensor]) -> None:
@@ -199,7 +212,8 @@ def check_events(run: RunResult, policy: kvsieve.Policy) -> None:
         held = compaction.valid.sum(dim=-1)
         kept = compaction.kept.sum(dim=-1)
         protected = inf.sum(dim=-1)
-        target = torch.tensor([[layer_target(policy, cache, compaction.layer, int(n)) for n in row] for row in held])
+        target = torch.tensor([[layer_target(policy, cache, compaction.layer, int(n), int(row.max())) for n in row]
+                               for row in held])
         ceiling = torch.minimum(torch.maximum(target, protected), held)
         if isinstance(allocator, GlobalBudget):
             continue  # layers keeping everything are not planned: the total is checked on head lengths
