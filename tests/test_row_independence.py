@@ -300,6 +300,8 @@ def single_token_row_with_an_empty_layer_budget(policy: kvsieve.Policy, lengths:
     if not (min(lengths) == 1 < max(lengths)) or policy.budget is None or policy.scorer is None:
         return False
     window = policy.scorer.protected_window()
+    if window == 0 and (isinstance(policy.allocator, Adaptive) or policy.allocator.scope == "global"):
+        return True  # redistributing allocators can leave a head (of the one-token row) with nothing
     layers = 64  # any depth: a zero budget appears on the top layers first
     return any(policy.allocator.layer_budget(policy.budget, i, layers, window) == 0 for i in range(layers))
 
@@ -321,8 +323,8 @@ KNOWN_ROW_DEPENDENCE: dict[str, Callable[[kvsieve.Policy, list[int], Program], b
     # is processed in different blocks than alone
     "test_blockwise_blocks_misaligned_by_padding": blocks_misaligned_by_padding,
     # engine.py: a one-token prompt alone is a decoding step (q_len == 1: no prompt compaction), the same
-    # token in a padded batch is part of a prompt; it shows where a layer's budget is 0 (pyramid, budget
-    # 1–2 without a window: its top layers keep nothing)
+    # token in a padded batch is part of a prompt; it shows where a head's budget can be 0 (pyramid, budget
+    # 1–2 without a window: its top layers keep nothing; adaptive or global budgets without a window)
     "test_single_token_row_with_an_empty_layer_budget": single_token_row_with_an_empty_layer_budget,
     # parts/selectors (quest, sparq, hsa, rocketkv): page size, k1 and r are derived from the longest row
     # (one page size per store), and "t ≥ held → full attention" is decided on the longest row
@@ -560,3 +562,17 @@ def test_sparse_selector_configuration_follows_the_longest_row():
     # alone, the 11-token row holds ≤ t = 16 entries and gets full attention; in the batch the 37-token row
     # sets the configuration and the short row attends to t/2 of its entries
     assert _differs(model, rows, "hsa", {"budget": 16}, Program([("decode", 5), ("decode", 6)]), 0) == "same"
+
+
+@pytest.mark.parametrize("policy", ["dbtrimkv", "h2o"])
+def test_global_budget_decoding_compacts_only_rows_over_their_own_limit(policy):
+    """A global budget under the decode schedule fired for the whole batch when one row went over its total
+    (the 2-token row was compacted next to a 3-token row, never alone); now each row follows its own total."""
+    model = get_model("llama", "kv")
+    rows = [torch.tensor([3, 4]), torch.tensor([3, 4, 5])]
+    params = {"budget": 3, "window": 0, "schedule": "decode", "buffer": 1}
+    params = {**params, "allocator": "global", "recent_ratio": 0.0} if policy == "h2o" else params
+    if policy == "h2o":
+        params.pop("window")
+    _, outcomes = check_rows(model, rows, policy, params, Program([("decode", 3), ("decode", 3)]))
+    assert outcomes == ["same", "same"]

@@ -101,6 +101,7 @@ class Engine:
         self._pending: list[_Pending] = []
         self._deferred: dict[int, _Deferred] = {}
         self._fire_forward = False
+        self._rows_over: torch.Tensor | None = None
         self._forward_compressed = False
         self._noop_warned = False
         #: The cache's layers (the cache sets this; read only to total a global budget).
@@ -381,7 +382,8 @@ class Engine:
         """Global allocation: score this layer now, decide for all layers after the last managed one."""
         if layer.layer_idx == self.managed[0]:
             self._pending = []
-            self._fire_forward = self._fires_total(step)
+            self._rows_over = self._rows_over_total(step)
+            self._fire_forward = self._rows_over is None or bool(self._rows_over.any())
         deferred = False
         if self._fire_forward:
             scorer = self.policy.scorer
@@ -396,9 +398,13 @@ class Engine:
             self._act_global()
         return deferred
 
-    def _fires_total(self, step: LayerStep) -> bool:
+    def _rows_over_total(self, step: LayerStep) -> torch.Tensor | None:
+        """Rows (host bool ``(batch,)``) whose total is over the global budget (plus slack) at a decoding
+        step; None: every row (a prompt forward, when the schedule compacts prompts). Each row is its own
+        request: a row under its own limit keeps everything, whatever the other rows hold."""
         if not step.is_decoding:
-            return self.policy.schedule.fires_total(False, 0, None, 0)
+            fires = self.policy.schedule.fires_total(False, 0, None, 0)
+            return None if fires else torch.zeros(step.store.batch, dtype=torch.bool)
         budget = self.policy.budget
         total_budget = None if budget is None else sum(self._layer_budget(i) or 0 for i in self.managed)
         heads = step.store.heads
@@ -409,7 +415,9 @@ class Engine:
                 total = total + other.lengths().sum(dim=1)
         # the slack (``buffer`` per head) counts every head of every managed layer, as the budget does
         managed_heads = heads * len(self.managed)
-        return self.policy.schedule.fires_total(True, int(total.max()), (total_budget or 0) * heads, managed_heads)
+        limit = (total_budget or 0) * heads
+        fires = self.policy.schedule.fires_total
+        return torch.tensor([fires(True, int(t), limit, managed_heads) for t in total.tolist()])
 
     def _act_global(self) -> None:
         pending, self._pending = self._pending, []
@@ -418,6 +426,8 @@ class Engine:
         )
         compressed = False
         for item, count in zip(pending, counts, strict=True):
+            if self._rows_over is not None:  # rows under their own limit keep everything
+                count = torch.where(self._rows_over.to(count.device)[:, None], count, item.lengths.to(count.device))
             plan = None
             if not bool((count >= item.lengths).all()):
                 plan = self.policy.action.plan(item.scores, count, item.step)
