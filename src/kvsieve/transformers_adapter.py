@@ -43,6 +43,10 @@ locked set in ``requirements/constraints.txt``).
 9. **Attention-module keyword arguments.** The attention module receives ``hidden_states`` (the normed
    layer input) and the cache keyword; the attention function receives ``scaling``,
    ``sliding_window``, ``softcap`` (Gemma2) and ``s_aux`` (GPT-OSS's learned sinks) as keywords.
+10. **GGUF loading** (the default model). ``from_pretrained(..., gguf_file=...)`` dequantizes every weight
+    into a dense model up to 5.16; from 5.17 it keeps the GGUF blocks unless given
+    ``quantization_config=GgufConfig(dequantize=True)`` (``GgufConfig`` is new in 5.17).
+    :func:`gguf_dequantize_kwargs` returns what asks for dense weights on the installed version.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ __all__ = [
     "cache_argument",
     "cache_keyword",
     "cache_kwargs",
+    "gguf_dequantize_kwargs",
     "mask_function",
     "module_eager_attention",
     "output_cache",
@@ -227,3 +232,16 @@ def rope_init(rope_type: str, config: Any, layer_type: str | None = None) -> tup
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq, float(scaling)
+
+
+# -- 10. GGUF loading ------------------------------------------------------------------------------------
+
+
+def gguf_dequantize_kwargs() -> dict[str, Any]:
+    """``from_pretrained`` keywords that load a ``gguf_file`` as a dense model (dequantized weights).
+
+    From 5.17 that takes ``quantization_config=GgufConfig(dequantize=True)``; before, ``GgufConfig`` does
+    not exist and a ``gguf_file`` is always dequantized, so nothing is needed.
+    """
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    return {} if gguf_config is None else {"quantization_config": gguf_config(dequantize=True)}
