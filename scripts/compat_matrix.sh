@@ -86,7 +86,7 @@ run_leg() {
 SUMMARY=()
 failed=0
 for leg in "${LEGS[@]}"; do
-  run_leg "$leg" || { failed=1; echo "compat leg '$leg' FAILED" >&2; }
+  run_leg "$leg" || { failed=1; SUMMARY+=("$leg: FAILED"); echo "compat leg '$leg' FAILED" >&2; }
 done
 echo "== compat matrix"
 printf '   %s\n' "${SUMMARY[@]}"
