@@ -18,6 +18,8 @@ from transformers import DynamicCache
 import kvsieve
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 PROMPT_LEN, STEPS = 24, 6
 GEMMA3_DECODE_ATOL = 1e-5
 

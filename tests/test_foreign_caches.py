@@ -22,6 +22,8 @@ from kvsieve.attention.masks import KvsieveMask
 from kvsieve.attention.register import VARIANTS
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 STEPS = 3
 #: (architecture, sliding window forced on every layer or None): Mistral/Phi3 with ``sliding_window`` set too.
 MODELS = [(arch, None) for arch in ARCHS] + [("mistral", 8), ("phi3", 8)]
@@ -192,5 +194,5 @@ def test_output_attentions_with_a_kvsieve_cache_says_so():
     cache = kvsieve.KVCache(served, "snapkv", budget=8, window=4)
     with kvsieve_warnings() as messages:
         out = served(prompt(length=12), **cache_kwargs(served, cache), output_attentions=True)
-    assert out.attentions == ()
+    assert not out.attentions  # no weights: () on recent transformers (5.23, 5.24), None on 5.0
     assert any("no attention weights" in m for m in messages)

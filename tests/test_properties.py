@@ -59,6 +59,8 @@ from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
 from kvsieve.parts.base import PolicyConfigError
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 #: Examples per preset (18 presets); ``KVSIEVE_PROPERTY_EXAMPLES`` overrides it for a longer hunt.
 MAX_EXAMPLES = int(os.environ.get("KVSIEVE_PROPERTY_EXAMPLES", "25"))
 STATIC_EXAMPLES = 4

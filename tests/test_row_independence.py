@@ -41,6 +41,8 @@ from kvsieve.parts.base import PolicyConfigError
 from kvsieve.parts.scorers import Caote, RandomScores
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 LOGITS_ATOL = 1e-4
 #: Entries the batch lost and gained are a near-tie swap when their sorted scores pair up within this
 #: fraction of the row's largest finite |score| at that compaction (in both runs' scores) ...

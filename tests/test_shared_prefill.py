@@ -10,6 +10,8 @@ import kvsieve
 from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 #: (policy, params): every scoring family, a budget allocator, a decode-schedule policy and a full cache.
 SPECS = [
     ("full", {}),

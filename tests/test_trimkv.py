@@ -17,6 +17,8 @@ from kvsieve.train import TrainConfig, capacity_loss, dense_gated_attention, gat
 from kvsieve.train.student import GateContext, student_mode
 from kvsieve.transformers_adapter import cache_kwargs
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 
 def _gates(model: torch.nn.Module, tied: bool = True, spread: bool = True, seed: int = 0) -> RetentionGates:
     """Random gates; ``spread``: β well inside (0, 1) and varied, so rankings are non-trivial."""

