@@ -33,7 +33,9 @@ from kvsieve.engine.engine import Engine
 from kvsieve.scores.rope import rotary_table, unrotate, uses_rope
 from kvsieve.transformers_adapter import cache_kwargs
 
-pytestmark = pytest.mark.filterwarnings("ignore:kvsieve.*nothing was compressed")
+pytestmark = [  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+    pytest.mark.compat, pytest.mark.filterwarnings("ignore:kvsieve.*nothing was compressed"),
+]
 
 PROMPT_LEN, STEPS = 24, 5
 DECODE_ATOL = 1e-5

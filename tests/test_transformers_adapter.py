@@ -21,6 +21,8 @@ from transformers import DynamicCache
 import kvsieve
 from kvsieve import transformers_adapter as adapter
 
+pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
+
 SRC = Path(kvsieve.__file__).parent
 ADAPTER = Path(adapter.__file__)
 
