@@ -284,3 +284,12 @@ def test_a_sweep_file_naming_a_function_needs_an_explicit_opt_in(tmp_path: Path,
     assert main(["eval", "--config", str(sweep), "--no-progress"]) == 2
     assert "--trust-config-code" in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert main(["eval", "--config", str(sweep), "--trust-config-code", "--no-progress"]) == 0
+
+
+def test_an_output_dir_below_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    fake = FakeCell()
+    with pytest.raises(ValueError, match="output_dir: cannot create"):
+        run_sweep(_config(tmp_path, output_dir=str(blocker / "sweep")), cell_fn=fake, load_model=False, progress=False)
+    assert fake.calls == []

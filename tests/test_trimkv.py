@@ -244,7 +244,7 @@ def test_train_is_deterministic_and_resumes(tmp_path):
 
     model, tokenizer = load_tiny_llama()
     before = {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
-    config = TrainConfig(variant="trimkv", budget=16, steps=2, lengths=(256,), kl_tokens=16, heldout=1,
+    config = TrainConfig(variant="trimkv", budget=16, steps=2, lengths=(512,), kl_tokens=16, heldout=1,
                          eval_every=1, save_every=1, gate_hidden=4, lr=1e-2, block_size=64)
     with torch.enable_grad():
         straight = train_gates(model, tokenizer, config, output_dir=tmp_path / "a", progress=False)
@@ -361,7 +361,7 @@ def test_train_does_not_resume_another_models_checkpoint(tmp_path):
     other, _ = load_tiny_llama()
     with torch.no_grad():
         next(other.parameters()).add_(1.0)
-    config = TrainConfig(variant="trimkv", budget=16, steps=1, lengths=(256,), kl_tokens=8, heldout=0,
+    config = TrainConfig(variant="trimkv", budget=16, steps=1, lengths=(512,), kl_tokens=8, heldout=0,
                          save_every=1, gate_hidden=4, block_size=64)
     with torch.enable_grad():
         train_gates(model, tokenizer, config, output_dir=tmp_path, progress=False)
@@ -372,3 +372,14 @@ def test_train_does_not_resume_another_models_checkpoint(tmp_path):
     with torch.enable_grad(), pytest.raises(ValueError, match=r"cannot be read.*--no-resume"):
         train_gates(model, tokenizer, TrainConfig(**{**config.__dict__, "steps": 2}), output_dir=tmp_path,
                     progress=False)
+
+
+def test_train_refuses_lengths_its_tasks_cannot_fill(capsys):
+    """``--lengths 256`` used to fail at step 4 (the first ``vt`` sample), after the model loaded."""
+    from kvsieve.cli import main
+    from kvsieve.train.data import min_training_length
+
+    with pytest.raises(ValueError, match=rf"lengths must be ints ≥ {min_training_length()}"):
+        TrainConfig(lengths=(256,))
+    assert main(["train", "--model", "tiny-llama", "--lengths", "256", "--output", "/nonexistent/x"]) == 2
+    assert "lengths must be ints" in capsys.readouterr().err

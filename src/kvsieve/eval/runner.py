@@ -106,7 +106,10 @@ def run_sweep(
     out = Path(config.output_dir)
     identity = _model_identity(config, load_model)
     check_same_model(out, config, identity)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"output_dir: cannot create {out} ({err.strerror or err}); pass a folder path") from None
     written = {**config.to_dict(), "model_identity": identity}
     (out / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
     records_path = out / RECORDS_FILE

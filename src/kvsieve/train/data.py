@@ -21,6 +21,11 @@ from kvsieve.eval.tasks import get_task
 
 #: RULER generators used for training (distractor needles, several values, several queries, tracking).
 RETRIEVAL_TASKS = ("niah_multikey_1", "niah_multikey_2", "niah_multivalue", "niah_multiquery", "niah_single_2", "vt")
+
+
+def min_training_length() -> int:
+    """The shortest training length every retrieval task can build a sample of."""
+    return max(get_task(name).min_length for name in RETRIEVAL_TASKS)
 #: Task-seed offsets of the splits (evaluation uses seed 0).
 SPLIT_SEEDS = {"train": 1000, "heldout": 2000}
 

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.gates.retention import GateConfig, RetentionGates
-from kvsieve.train.data import make_sample
+from kvsieve.train.data import make_sample, min_training_length
 from kvsieve.train.losses import capacity_loss, kl_teacher_student
 from kvsieve.train.student import GateContext, student_mode
 
@@ -77,8 +77,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig.{name} must be a finite number ≥ 0; got {value!r}")
-        if not self.lengths or any(not isinstance(n, int) or n < 64 for n in self.lengths):
-            raise ValueError(f"TrainConfig.lengths must be ints ≥ 64; got {self.lengths!r}")
+        shortest = min_training_length()
+        if not self.lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < shortest for n in self.lengths):
+            raise ValueError(f"TrainConfig.lengths must be ints ≥ {shortest} (the shortest length every retrieval "
+                             f"task of the training mix can fill); got {self.lengths!r}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"TrainConfig.max_minutes must be > 0 or None; got {self.max_minutes!r}")
 
