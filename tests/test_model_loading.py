@@ -297,3 +297,19 @@ def test_a_config_that_is_not_an_object_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config.json holds a JSON list"):
         kvsieve.load_model(str(tmp_path))
     assert main(["niah", "--model", str(tmp_path), "--output", str(tmp_path / "x.json")]) == 2
+
+
+@pytest.mark.parametrize("command", ["niah", "generate"])
+def test_learned_gates_for_a_folder_model_are_checked_before_it_loads(command: str, tiny_folder: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``dbtrimkv`` on a model no shipped gate fits used to fail after the model loaded."""
+    import kvsieve.models.arguments as arguments
+
+    monkeypatch.setattr(arguments, "load_model_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some context")
+    args = {"niah": ["niah", "--policies", "dbtrimkv", "--budgets", "32", "--output", str(tmp_path / "n.json")],
+            "generate": ["generate", "--context", str(doc), "--policy", "dbtrimkv", "q"]}[command]
+    assert main([*args, "--model", str(tiny_folder)]) == 2
+    assert f"kvsieve train --model {tiny_folder} --variant dbtrimkv" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvsieve.models.arguments import add_model_arguments
-from kvsieve.models.loading import MissingExtraError, ModelNotFoundError
+from kvsieve.models.loading import MissingExtraError
 from kvsieve.policies.registry import UnknownPolicyError, list_policies
 
 
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (UnknownPolicyError, ValueError, ModelNotFoundError, MissingExtraError) as err:
+    except (UnknownPolicyError, ValueError, FileNotFoundError, MissingExtraError) as err:
         print(f"kvsieve: error: {err}", file=sys.stderr)
         return 2
 

@@ -166,9 +166,10 @@ def run_niah_command(args: argparse.Namespace) -> int:
 
     from kvsieve.cache.kv_cache import KVCache
     from kvsieve.eval.niah import run_niah
-    from kvsieve.models.arguments import check_model_args, load_model_from_args
+    from kvsieve.models.arguments import check_model_args, check_policies_for_model, load_model_from_args
 
     check_model_args(args)
+    check_policies_for_model(args, list(built.values()))
     started, cpu_started, load_before = time.perf_counter(), time.process_time(), os.getloadavg()
     model, tokenizer = load_model_from_args(args)
 

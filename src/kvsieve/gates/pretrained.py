@@ -9,6 +9,7 @@ capacity loss: the paper's "no weight tying" ablation). Files are produced by ``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,3 +49,22 @@ def pretrained_stem(model: torch.nn.Module, variant: str) -> Path:
 
 def load_pretrained(model: torch.nn.Module, variant: str) -> RetentionGates:
     return load_gates(pretrained_stem(model, variant), model)
+
+
+def check_shipped_for_config(config: dict[str, Any], variant: str, source: str) -> None:
+    """Before any weight is read: ``FileNotFoundError`` (naming the model and how to train gates) when no
+    shipped ``variant`` gate has ``config.json``'s architecture and shapes. Shapes that match still need the
+    weights' fingerprint to match once the model is loaded (:func:`pretrained_stem`)."""
+    text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    want = (text.get("model_type"), text.get("num_hidden_layers"),
+            text.get("num_key_value_heads") or text.get("num_attention_heads"), text.get("hidden_size"))
+    for meta in sorted(PRETRAINED_DIR.glob(f"*-{variant}.json")):
+        shipped = read_config(meta)
+        if (shipped.model_type, shipped.num_layers, shipped.num_kv_heads, shipped.hidden_size) == want:
+            return
+    available = [m.stem for m in sorted(PRETRAINED_DIR.glob("*.json"))]
+    raise FileNotFoundError(
+        f"no pretrained {variant!r} gates for {source} ({want[0]}, {want[1]} layers, {want[2]} KV heads, hidden "
+        f"{want[3]}); shipped: {available}. Train gates for it with `kvsieve train --model {source} --variant "
+        f"{variant} --output runs/{variant}` and pass gates='runs/{variant}/gates'"
+    )

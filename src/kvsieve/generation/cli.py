@@ -52,7 +52,7 @@ def _read_context(source: str) -> str:
 def _check(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     """Every setting checked before the model loads; returns (label, policy name, params) per cache."""
     from kvsieve.eval.niah_cli import parse_policy_spec
-    from kvsieve.models.arguments import check_model_args
+    from kvsieve.models.arguments import check_model_args, check_policies_for_model
     from kvsieve.policies.registry import make_policy
 
     if args.budget < 1:
@@ -69,14 +69,15 @@ def _check(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     if empty:
         raise ValueError(f"question: question {empty[0]} is empty; ask something about the context")
     flag = "--compare" if args.compare else "--policy"
-    caches = []
+    caches, policies = [], []
     for spec in specs:
         name, params = parse_policy_spec(spec, flag)
-        if name != FULL:
-            make_policy(name, budget=args.budget, **params)  # raises on unknown names and bad parameters
+        if name != FULL:  # raises on unknown names and bad parameters
+            policies.append(make_policy(name, budget=args.budget, **params))
         label = FULL if name == FULL else f"{spec}@{args.budget}"
         caches.append((label, name, params))
     check_model_args(args)
+    check_policies_for_model(args, policies)
     return caches
 
 
