@@ -296,7 +296,7 @@ class Engine:
             module=module, layer_idx=layer.layer_idx, info=self.info, query=query, first_position=seen,
             query_valid=token_valid, store=store, scaling=form.scaling, form=form, sliding_window=sliding_window,
             forward_index=layer.forwards, layer_inputs=inputs,
-            allowed=None if layer.left_alone else self._needs,
+            allowed=None if layer.left_alone else self._needs, padding=pad,
         )
         layer.forwards += 1
         return step

@@ -52,6 +52,8 @@ class LayerStep:
     #: Statistics the reading part declared (None: any).
     allowed: frozenset[str] | None = None
     form: AttentionForm | None = None
+    #: The forward's 2-D padding mask ``(batch, seen + q)`` (True: a real token); None when every token is real.
+    padding: torch.Tensor | None = None
     _memo: dict[object, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,19 @@ class LayerStep:
     @property
     def q_len(self) -> int:
         return self.query.shape[2]
+
+    def ages(self, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens from each entry at ``positions`` ``(batch, heads, L)`` to the newest query, padding slots
+        between them not counted (a batch that pads questions after a shared context sees each row's ages as
+        the row alone would)."""
+        now = self.first_position + self.q_len - 1
+        age = now - positions
+        if self.padding is None:
+            return age
+        pads = (~self.padding.to(positions.device)).long().cumsum(dim=1)  # padding slots up to each slot
+        last = pads.shape[1] - 1
+        at_entry = pads.gather(1, positions.clamp(0, last).reshape(positions.shape[0], -1)).view_as(positions)
+        return age - (pads[:, min(now, last), None, None] - at_entry)
 
     @property
     def is_decoding(self) -> bool:

@@ -118,8 +118,7 @@ class RetentionGate(Scorer):
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         view = step.view
-        now = step.first_position + step.q_len - 1
-        return retention_score(view.extras[LOG_BETA], now - view.positions, self.lookahead)
+        return retention_score(view.extras[LOG_BETA], step.ages(view.positions), self.lookahead)
 
 
 __all__ = ["LOG_BETA", "RetentionGate", "log_horizon", "retention_score"]
