@@ -313,3 +313,20 @@ def test_learned_gates_for_a_folder_model_are_checked_before_it_loads(command: s
             "generate": ["generate", "--context", str(doc), "--policy", "dbtrimkv", "q"]}[command]
     assert main([*args, "--model", str(tiny_folder)]) == 2
     assert f"kvsieve train --model {tiny_folder} --variant dbtrimkv" in capsys.readouterr().err
+
+
+def test_eval_lengths_beyond_the_models_positions_are_refused(tiny_folder: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """They used to run silently, on rotary positions the model never saw."""
+    from kvsieve.eval.evaluate import evaluate_cell
+    from kvsieve.models.loading import max_positions
+
+    limit = max_positions(str(tiny_folder))
+    assert limit == json.loads((tiny_folder / "config.json").read_text())["max_position_embeddings"]
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(tiny_folder), "--policies", "snapkv", "--budgets", "32", "--tasks",
+                 "passkey", "--lengths", str(limit + 1), "--output-dir", str(out), "--no-progress"]) == 2
+    assert "exceed" in capsys.readouterr().err and not (out / "records.jsonl").exists()
+    model, tokenizer = kvsieve.load_model(str(tiny_folder))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        evaluate_cell(model, tokenizer, "passkey", "snapkv", 32, limit + 1, 0, 0)

@@ -157,6 +157,10 @@ def evaluate_cells(
     """
     started = time.perf_counter()
     spec = get_task(task)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and length > limit:
+        raise ValueError(f"length: {length} tokens exceed the model's {limit} positions (max_position_embeddings); "
+                         "beyond them its rotary positions were never trained and the scores mean nothing")
     probes: list[tuple[str, int | None, Callable[[], KVCache], KVCache]] = []
     for policy, budget, policy_params in cells:
         params = dict(policy_params or {})

@@ -103,6 +103,7 @@ def run_sweep(
         progress: show a tqdm progress bar on stderr.
     """
     validate_config(config, get_task)
+    _check_lengths_fit(config, load_model)
     out = Path(config.output_dir)
     identity = _model_identity(config, load_model)
     check_same_model(out, config, identity)
@@ -145,6 +146,19 @@ def run_sweep(
             backend.close()
     outcome.rows = write_summary(read_records(records_path), out)
     return outcome
+
+
+def _check_lengths_fit(config: SweepConfig, load_model: bool) -> None:
+    """Lengths beyond the model's positions are refused before any cell runs (where the config says it)."""
+    if not load_model:
+        return
+    from kvsieve.models.loading import max_positions
+
+    limit = max_positions(config.model)
+    too_long = [n for n in config.lengths if limit is not None and n > limit]
+    if too_long:
+        raise ValueError(f"lengths: {too_long} exceed the {limit} positions of {config.model!r} "
+                         "(max_position_embeddings)")
 
 
 def _model_identity(config: SweepConfig, load_model: bool) -> str | None:

@@ -193,6 +193,30 @@ def check_model_spec(spec: str) -> str:
     return kind
 
 
+def max_positions(spec: str) -> int | None:
+    """``max_position_embeddings`` of what ``spec`` names, read without loading weights (None: unknown
+    without loading, e.g. a hub id not in the local cache or a ``module:function``)."""
+    kind = spec_kind(spec)
+    config_file: Path | None = None
+    if kind == "folder":
+        config_file = Path(spec).expanduser() / "config.json"
+    elif spec == "smollm2":
+        from kvsieve.models.default_model import MODEL_SUBDIR, cache_root
+
+        config_file = cache_root() / MODEL_SUBDIR / "config.json"
+        if not config_file.is_file():
+            return 8192  # SmolLM2-135M-Instruct's context (the export is made on first load)
+    if config_file is None or not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    value = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return int(value) if isinstance(value, int) else None
+
+
 def model_identity(spec: str) -> str:
     """A cheap fingerprint of what ``spec`` names, read without loading weights.
 
