@@ -311,7 +311,12 @@ def single_token_row_with_an_empty_layer_budget(policy: kvsieve.Policy, lengths:
 def sparse_selector_sized_by_the_longest_row(policy: kvsieve.Policy, lengths: list[int], program: Program) -> bool:
     from kvsieve.parts.selectors import ExactTopK
 
-    return policy.selector is not None and not isinstance(policy.selector, ExactTopK) and len(set(lengths)) > 1
+    if policy.selector is None or isinstance(policy.selector, ExactTopK) or len(set(lengths)) < 2:
+        return False
+    # a row holding ≤ t entries attends to all of them (decided per row); two or more rows above t share
+    # one page size / k1 / r, from the longest
+    added = sum(int(torch.as_tensor(value).shape[-1]) if kind == "extend" else 1 for kind, value in program.steps)
+    return sum(n + added > policy.selector.k for n in lengths) >= 2
 
 
 #: Configurations whose rows still depend on the batch, each for a cause outside the allocators, with the
@@ -560,10 +565,21 @@ def test_single_token_row_with_an_empty_layer_budget():
 @pytest.mark.xfail(strict=True, reason="parts/selectors: one page size / k1 / r per store, from the longest row")
 def test_sparse_selector_configuration_follows_the_longest_row():
     model = get_model("llama", "kv")
-    rows = [prompt(length=n, seed=10 + n)[0] for n in (11, 37)]
-    # alone, the 11-token row holds ≤ t = 16 entries and gets full attention; in the batch the 37-token row
-    # sets the configuration and the short row attends to t/2 of its entries
+    rows = [prompt(length=n, seed=10 + n)[0] for n in (40, 120)]
+    # both rows hold more than t = 16 entries: alone, the 40-token row's pages are ⌈√(40/16)⌉ entries; in the
+    # batch the 120-token row sets the page size (and k1) for both
     assert _differs(model, rows, "hsa", {"budget": 16}, Program([("decode", 5), ("decode", 6)]), 0) == "same"
+
+
+@pytest.mark.parametrize("policy", ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt"])
+def test_a_row_within_the_token_budget_attends_to_everything_in_a_batch(policy):
+    """"t ≥ N → exact attention" is decided per row: a 10-token row with budget 16 is the full cache alone,
+    and used to differ by 0.09–0.18 in logits beside a 60-token row (which set the rule for the batch)."""
+    model = get_model("llama", "kv")
+    rows = [prompt(length=n, seed=20 + n)[0] for n in (10, 60)]
+    params = {"budget": 16, **({"window": 4} if policy.startswith("rocketkv") else {})}
+    _, outcomes = check_rows(model, rows, policy, params, Program([("decode", 5), ("decode", 6)]))
+    assert outcomes == ["same", "same"]
 
 
 @pytest.mark.parametrize("policy", ["dbtrimkv", "h2o"])

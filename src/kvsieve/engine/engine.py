@@ -259,8 +259,22 @@ class Engine:
                 blend = None
                 if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
                     subset, blend = subset.indices, (subset.weight, subset.fallback)
-                return attend(module, step.query, view.keys, view.values, None, step.form,
-                              subset=subset, bias=bias, key_valid=view.valid, blend=blend)
+                output = attend(module, step.query, view.keys, view.values, None, step.form,
+                                subset=subset, bias=bias, key_valid=view.valid, blend=blend)
+                # "t ≥ N → exact attention" per row: a row holding no more than the selector's token budget
+                # attends to everything, as it would alone, whatever its neighbours hold
+                exact = step.lengths().amax(dim=1) <= getattr(selector, "k", 0)
+                if bool(exact.any()):
+                    full = self._attend_all(step, module, sliding_window, bias)
+                    output = torch.where(exact.to(output.device)[:, None, None, None], full, output)
+                return output
+        return self._attend_all(step, module, sliding_window, bias)
+
+    def _attend_all(
+        self, step: LayerStep, module: torch.nn.Module, sliding_window: int | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of the step's queries over every held entry (visibility from stored positions)."""
+        view = step.view
         if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
             return attend(module, step.query, view.keys, view.values, None, step.form)
         mask = output_mask(
