@@ -330,3 +330,20 @@ def test_eval_lengths_beyond_the_models_positions_are_refused(tiny_folder: Path,
     model, tokenizer = kvsieve.load_model(str(tiny_folder))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         evaluate_cell(model, tokenizer, "passkey", "snapkv", 32, limit + 1, 0, 0)
+
+
+def test_a_truncated_weights_file_is_named_before_loading(tiny_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors is truncated"):
+        kvsieve.load_model(str(folder))
+    weights.write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        kvsieve.load_model(str(folder))
+    assert main(["niah", "--model", str(folder), "--output", str(tmp_path / "x.json")]) == 2

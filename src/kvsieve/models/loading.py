@@ -180,6 +180,24 @@ def spec_kind(spec: str) -> str:
     )
 
 
+def check_safetensors_file(path: Path) -> None:
+    """``ValueError`` naming ``path`` unless its safetensors header parses and every tensor's bytes are in
+    the file (a truncated or partly downloaded file); reads the header only."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(fh.read(header_len))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ValueError(f"model: {path} is not a readable safetensors file ({err}); download it again") from None
+    if ends and max(ends) > size - 8 - header_len:
+        raise ValueError(f"model: {path} is truncated ({size} bytes, its header needs {8 + header_len + max(ends)}); "
+                         "download it again")
+
+
 def check_model_spec(spec: str) -> str:
     """Validate ``spec`` as far as possible without loading weights or touching the network.
 
@@ -187,7 +205,10 @@ def check_model_spec(spec: str) -> str:
     """
     kind = spec_kind(spec)
     if kind == "folder":
-        folder_architecture(Path(spec).expanduser())
+        folder = Path(spec).expanduser()
+        folder_architecture(folder)
+        for weights in sorted(folder.glob("*.safetensors")):
+            check_safetensors_file(weights)
     elif kind == "gguf":
         gguf_architecture(Path(spec).expanduser())
     return kind
