@@ -56,6 +56,8 @@ def test_no_module_spells_a_cache_keyword():
 
 
 def test_cache_keyword_is_what_the_installed_forward_takes():
+    """(Both keywords through forwards, hooks, prefill_shared, compress_context and generate:
+    ``test_cache_keywords.py``.)"""
     model = build_model("llama")
     keyword = adapter.cache_keyword(model)
     params = inspect.signature(type(model).forward).parameters
@@ -63,51 +65,6 @@ def test_cache_keyword_is_what_the_installed_forward_takes():
     assert adapter.cache_kwargs(model, "x") == {keyword: "x"}
     assert adapter.cache_argument({"past_key_values": 1}) == 1 and adapter.cache_argument({"cache": 2}) == 2
     assert adapter.cache_argument({}) is None
-
-
-def _forward(model, ids, cache, keyword):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the old keyword is deprecated from 5.24
-        return model(ids, **{keyword: cache}).logits
-
-
-def _keywords(model) -> list[str]:
-    """Every keyword the installed version accepts: the old one always, ``cache`` where the forward has it."""
-    return sorted({"past_key_values", adapter.cache_keyword(model)})
-
-
-@pytest.mark.parametrize("policy", ["snapkv", "trimkv"])
-def test_both_keywords_reach_the_cache_and_the_layer_input_hook(policy, monkeypatch):
-    """``trimkv`` reads each layer's input through a pre-hook that finds the cache under either keyword."""
-    model = build_model("llama")
-    ids = prompt(length=24)
-    params = {"budget": 8, "window": 4}
-    if policy == "trimkv":
-        from kvsieve.gates.retention import GateConfig, RetentionGates
-
-        params = {"budget": 8, "gates": RetentionGates(GateConfig.for_model(model), seed=0)}
-    results = []
-    for keyword in _keywords(model):
-        cache = kvsieve.KVCache(model, policy, **params)
-        logits = _forward(model, ids, cache, keyword)
-        token = logits[:, -1:].argmax(-1)
-        results.append((logits, _forward(model, token, cache, keyword), cache.head_lengths()))
-        assert cache.get_seq_length() == 25
-    for logits, step, lengths in results[1:]:
-        assert torch.equal(logits, results[0][0]) and torch.equal(step, results[0][1])
-        assert torch.equal(lengths, results[0][2])
-
-
-def test_generate_takes_either_keyword():
-    model = build_model("qwen3")
-    ids = prompt(length=20)
-    outs = []
-    for keyword in _keywords(model):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            cache = kvsieve.KVCache(model, "snapkv", budget=8, window=4)
-            outs.append(model.generate(ids, max_new_tokens=4, do_sample=False, **{keyword: cache}))
-    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 def test_kvsieve_calls_raise_no_deprecation_warning():
