@@ -93,6 +93,6 @@ def check_policies_for_model(args: argparse.Namespace, policies: list[Any]) -> N
         return  # built-in models, GGUF files, hub ids and functions: checked by fingerprint after loading
     config = json.loads((Path(spec).expanduser() / "config.json").read_text(encoding="utf-8"))
     for policy in policies:
-        scorer = getattr(getattr(policy, "scorer", None), "_base", None) or getattr(policy, "scorer", None)
+        scorer = getattr(policy, "scorer", None)
         if isinstance(scorer, RetentionGate) and scorer.gates is None:
             check_shipped_for_config(config, scorer.pretrained, spec)
