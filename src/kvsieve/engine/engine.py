@@ -32,6 +32,7 @@ from kvsieve.attention.kernel import AttentionForm, attend, causal_mask, output_
 from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.plan import Plan
+from kvsieve.engine.row_groups import select_by_row
 from kvsieve.engine.step import LAYER_INPUTS, LayerStep
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.selectors.base import Selection
@@ -102,6 +103,8 @@ class Engine:
         self._deferred: dict[int, _Deferred] = {}
         self._fire_forward = False
         self._rows_over: torch.Tensor | None = None
+        #: Per managed layer, each batch row's selector configuration (recorded at its first decoding step).
+        self._row_configs: dict[int, list[dict[str, int]] | None] = {}
         self._forward_compressed = False
         self._noop_warned = False
         #: The cache's layers (the cache sets this; read only to total a global budget).
@@ -121,6 +124,7 @@ class Engine:
         return LAYER_INPUTS in self._needs
 
     def reset(self) -> None:
+        self._row_configs = {}
         self._pending = []
         self._deferred = {}
         self._mask_memo = self._valid_memo = None
@@ -254,7 +258,7 @@ class Engine:
             return attend(module, step.query, keys, values, mask, step.form)
         selector = self.policy.selector
         if selector is not None and step.is_decoding and not layer.left_alone:
-            subset = selector.select(step)
+            subset = select_by_row(selector, step, self._row_configs)
             if subset is not None:
                 blend = None
                 if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
@@ -263,7 +267,7 @@ class Engine:
                                 subset=subset, bias=bias, key_valid=view.valid, blend=blend)
                 # "t ≥ N → exact attention" per row: a row holding no more than the selector's token budget
                 # attends to everything, as it would alone, whatever its neighbours hold
-                exact = step.lengths().amax(dim=1) <= getattr(selector, "k", 0)
+                exact = step.store.lengths().amax(dim=1) <= getattr(selector, "k", 0)  # host: no device sync
                 if bool(exact.any()):
                     full = self._attend_all(step, module, sliding_window, bias)
                     output = torch.where(exact.to(output.device)[:, None, None, None], full, output)

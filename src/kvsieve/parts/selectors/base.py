@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.cache.store import SideSpec, StoreHook
+from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import Part
 
@@ -31,6 +31,16 @@ class Selector(Part):
     def hooks(self) -> list[StoreHook]:
         """Per-store data the selector keeps up to date (e.g. per-page key min/max); fresh objects per store."""
         return []
+
+    def row_config(self, store: LayerStore) -> list[dict[str, int]] | None:
+        """The configuration each batch row would get alone (page size, dimensions...), derived from what the
+        row holds at the first decoding step after a prompt; None: the selector has none (decided per row
+        already). Rows whose configurations differ are selected group by group (:mod:`kvsieve.engine.row_groups`)."""
+        return None
+
+    def preset(self, store: LayerStore, config: dict[str, int]) -> None:
+        """Install ``config`` (one of :meth:`row_config`'s) in a fresh store's hooks, as its first decoding
+        step would have."""
 
     def select(self, step: LayerStep) -> torch.Tensor | Selection | None:
         """Indices ``(batch, q_heads, k)`` into the dense view's entries (or a :class:`Selection` that also

@@ -32,7 +32,7 @@ import torch
 
 from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
-from kvsieve.cache.store import SideSpec, StoreHook
+from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_bool, require_int
 from kvsieve.parts.selectors.base import Selector
@@ -84,6 +84,26 @@ class HybridSparse(Selector):
     def hooks(self) -> list[StoreHook]:
         pages: StoreHook = MemberPages(1, STAGE1_KEEP.name) if self.filtered else PageMinMax(1)
         return [SelectionState(), pages]
+
+    def _shape(self, held: int, dim: int) -> dict[str, int]:
+        page, k1 = hsa_shape(held, self.k, dim)
+        return {"page_size": self.page_size or page, "k1": min(self.k1 or k1, dim)}
+
+    def row_config(self, store: LayerStore) -> list[dict[str, int]] | None:
+        pages = hook_of(store, MemberPages if self.filtered else PageMinMax)
+        if isinstance(pages, MemberPages):  # the stage-1 members a row holds
+            held = pages.count.view(store.batch, store.heads).amax(dim=1).cpu()
+        else:
+            held = store.lengths().amax(dim=1)
+        return [self._shape(int(n), store.head_dim) for n in held.tolist()]
+
+    def preset(self, store: LayerStore, config: dict[str, int]) -> None:
+        pages = hook_of(store, MemberPages if self.filtered else PageMinMax)
+        assert isinstance(pages, MemberPages | PageMinMax)
+        pages.page_size = config["page_size"]
+        pages.after_layout(store)
+        state = state_of(store)
+        state.config, state.dirty = dict(config), False
 
     def select(self, step: LayerStep) -> torch.Tensor | None:
         store, view = step.store, step.view

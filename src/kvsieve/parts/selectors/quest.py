@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.pages import PageMinMax
-from kvsieve.cache.store import StoreHook
+from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_int
 from kvsieve.parts.selectors.base import Selector
@@ -66,6 +66,16 @@ class Quest(Selector):
     def configure(self, held: int) -> int:
         """Page size for ``held`` entries."""
         return self.page_size or max(math.ceil(held / self.k), 1)
+
+    def row_config(self, store: LayerStore) -> list[dict[str, int]] | None:
+        return [{"page_size": self.configure(int(n))} for n in store.lengths().amax(dim=1).tolist()]
+
+    def preset(self, store: LayerStore, config: dict[str, int]) -> None:
+        pages = hook_of(store, PageMinMax)
+        assert isinstance(pages, PageMinMax)
+        pages.page_size = config["page_size"]
+        pages.after_layout(store)
+        state_of(store).dirty = False
 
     def select(self, step: LayerStep) -> torch.Tensor | None:
         store, view = step.store, step.view

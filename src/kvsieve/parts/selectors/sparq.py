@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.cache.store import StoreHook
+from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.cache.value_mean import ValueSum
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.base import require_int
@@ -71,6 +71,13 @@ class SparQ(Selector):
     def configure(self, held: int, dim: int) -> int:
         """Approximation dimensions for ``held`` entries of ``dim`` dimensions."""
         return min(self.r or max(dim * self.k // max(held, 1), 1), dim)
+
+    def row_config(self, store: LayerStore) -> list[dict[str, int]] | None:
+        return [{"r": self.configure(int(n), store.head_dim)} for n in store.lengths().amax(dim=1).tolist()]
+
+    def preset(self, store: LayerStore, config: dict[str, int]) -> None:
+        state = state_of(store)
+        state.config, state.dirty = dict(config), False
 
     def select(self, step: LayerStep) -> Selection | None:
         store, view = step.store, step.view

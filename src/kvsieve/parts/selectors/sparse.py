@@ -111,7 +111,9 @@ def top_tokens_of_pages(
 
     Every token gets its page's score (``page_scores`` ``(batch, kv_heads, slots)``; token ``j`` is in page
     ``j // page_size``), padding tokens ``-inf``, ``forced`` tokens ``+inf``; the top ``k`` are taken, so
-    whole pages are taken best first and the last one may be taken in part.
+    whole pages are taken best first and the last one may be taken in part — its first tokens: the tokens
+    of a page tie, and a stable sort breaks the tie by position, whatever the row's padded length (a top-k
+    would break it by an implementation detail that depends on the batch).
     """
     page_of = torch.arange(length, device=page_scores.device) // page_size
     scores = page_scores.index_select(-1, page_of)
@@ -119,7 +121,7 @@ def top_tokens_of_pages(
         scores = scores.masked_fill(forced, math.inf)
     if token_valid is not None:
         scores = scores.masked_fill(~token_valid, -math.inf)
-    return torch.topk(scores, min(k, length), dim=-1).indices
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(k, length)]
 
 
 def last_page_tokens(lengths: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
