@@ -137,7 +137,7 @@ def test_sparse_selectors_answer_the_same_alone_and_in_a_batch(tiny, policy: str
     ctx = compress_context(model, tokenizer, CONTEXT, policy, budget=64, chat=False)
     questions = ["Box?", "Please list, one after the other, every item that is stored in box 7, then every item "
                  "stored in box 8, then every item stored in box 9, and explain how you found them in the list."]
-    alone = [ctx.ask(q, max_new_tokens=6) for q in questions]
-    batch = ctx.ask_batch(questions, max_new_tokens=6)
+    alone = [ctx.ask(q, max_new_tokens=24) for q in questions]
+    batch = ctx.ask_batch(questions, max_new_tokens=24)
     for a, b in zip(alone, batch, strict=True):
         _same(a, b)

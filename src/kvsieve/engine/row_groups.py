@@ -60,6 +60,7 @@ def select_by_row(
             groups.setdefault(tuple(sorted(config.items())), []).append(row)
     if len(groups) <= 1:
         return selector.select(step)  # one configuration: the longest row's is every selecting row's
+    state.dirty = False  # the configurations are fixed until the next prompt or layout change, as alone
     parts: list[tuple[list[int], torch.Tensor | Selection]] = []
     read, full = state.read_bytes, state.full_bytes
     for key, rows in groups.items():
