@@ -109,6 +109,18 @@ def test_policy_objects_and_chat_template(tiny) -> None:
     assert ctx.ask("Which box holds item 12?", max_new_tokens=2).token_ids
 
 
+#: A question far longer than "Box?": in a batch, the short one is padded after the shared context.
+LONG_QUESTION = ("Please list, one after the other, every item that is stored in box 7, then every item stored in "
+                 "box 8, then every item stored in box 9, and explain how you found them")
+
+
+def _batch_answers_as_alone(ctx: Any, questions: list[str], max_new_tokens: int) -> None:
+    alone = [ctx.ask(q, max_new_tokens=max_new_tokens) for q in questions]
+    batch = ctx.ask_batch(questions, max_new_tokens=max_new_tokens)
+    for a, b in zip(alone, batch, strict=True):
+        _same(a, b)
+
+
 @pytest.mark.parametrize("policy", ["trimkv", "dbtrimkv"])
 def test_learned_retention_answers_the_same_alone_and_in_a_batch(tiny, policy: str) -> None:
     """Retention ages counted the padding slots between the context and a shorter question in a batch, so
@@ -121,12 +133,7 @@ def test_learned_retention_answers_the_same_alone_and_in_a_batch(tiny, policy: s
         gates.b_out.fill_(2.0)  # β well below 1: ages matter
     ctx = compress_context(model, tokenizer, CONTEXT, policy, budget=48, chat=False, gates=gates, window=4,
                            schedule="decode")
-    questions = ["Box?", "Please list, one after the other, every item that is stored in box 7, then every item "
-                 "stored in box 8, then every item stored in box 9, and explain how you found them."]
-    alone = [ctx.ask(q, max_new_tokens=6) for q in questions]
-    batch = ctx.ask_batch(questions, max_new_tokens=6)
-    for a, b in zip(alone, batch, strict=True):
-        _same(a, b)
+    _batch_answers_as_alone(ctx, ["Box?", f"{LONG_QUESTION}."], max_new_tokens=6)
 
 
 @pytest.mark.parametrize("policy", ["quest", "sparq", "hsa"])
@@ -135,9 +142,4 @@ def test_sparse_selectors_answer_the_same_alone_and_in_a_batch(tiny, policy: str
     quest's ``ask_batch`` differed from ``ask`` by 0.048 in log-probability here; each row now gets its own."""
     model, tokenizer = tiny
     ctx = compress_context(model, tokenizer, CONTEXT, policy, budget=64, chat=False)
-    questions = ["Box?", "Please list, one after the other, every item that is stored in box 7, then every item "
-                 "stored in box 8, then every item stored in box 9, and explain how you found them in the list."]
-    alone = [ctx.ask(q, max_new_tokens=24) for q in questions]
-    batch = ctx.ask_batch(questions, max_new_tokens=24)
-    for a, b in zip(alone, batch, strict=True):
-        _same(a, b)
+    _batch_answers_as_alone(ctx, ["Box?", f"{LONG_QUESTION} in the list."], max_new_tokens=24)
