@@ -196,12 +196,11 @@ def _mask_signature(original: str) -> inspect.Signature:
 
 def bind_mask_arguments(original: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The arguments transformers passed to ``original``'s mask function, by name (offsets copied)."""
-    bound = _mask_signature(original).bind_partial(*args, **kwargs)
-    arguments = dict(bound.arguments)
-    extra = arguments.pop(next(
-        (p.name for p in _mask_signature(original).parameters.values() if p.kind is p.VAR_KEYWORD), "kwargs"
-    ), {})
-    arguments.update(extra)
+    signature = _mask_signature(original)
+    arguments = dict(signature.bind_partial(*args, **kwargs).arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.VAR_KEYWORD:  # ``**kwargs`` arrive bound as one dict: spread them
+            arguments.update(arguments.pop(parameter.name, {}))
     for name in _OFFSET_ARGUMENTS:
         value = arguments.get(name)
         if isinstance(value, torch.Tensor):

@@ -7,8 +7,8 @@ step; while every row that is selecting at all (rows holding ≤ ``t`` entries a
 in the engine) shares one configuration, the selector runs once on the whole store, as before. Otherwise
 it runs once per group of rows with the same configuration, on a copy of the store restricted to those
 rows with that configuration installed (:meth:`Selector.preset`), and the subsets are put back together.
-The copy costs a pass over the group's entries per decoding step and layer: mixed batches pay roughly
-what full attention would read, in exchange for each row answering as it would alone.
+The copy gathers the group's entries once per decoding step and layer: mixed batches pay roughly what
+full attention would read, in exchange for each row answering as it would alone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvsieve.cache.store import LayerStore
 from kvsieve.engine.step import LayerStep
 from kvsieve.parts.selectors.base import Selection, Selector
 from kvsieve.parts.selectors.sparse import SelectionState
@@ -26,6 +27,16 @@ from kvsieve.parts.selectors.sparse import SelectionState
 
 def _state(step: LayerStep) -> SelectionState | None:
     return next((hook for hook in step.store.hooks if isinstance(hook, SelectionState)), None)
+
+
+def _restricted(store: LayerStore, rows: list[int]) -> LayerStore:
+    """The store's ``rows`` alone. ``select_batch`` gathers new tensors and every hook rebuilds (reassigns)
+    its data in ``after_layout``, so shallow copies of the store and its hooks leave the original intact
+    and copy only the group's entries."""
+    restricted = copy.copy(store)
+    restricted.hooks = [copy.copy(hook) for hook in store.hooks]
+    restricted.select_batch(torch.tensor(rows))
+    return restricted
 
 
 def _rows_of(step: LayerStep, rows: list[int], store: Any) -> LayerStep:
@@ -64,8 +75,7 @@ def select_by_row(
     parts: list[tuple[list[int], torch.Tensor | Selection]] = []
     read, full = state.read_bytes, state.full_bytes
     for key, rows in groups.items():
-        store = copy.deepcopy(step.store)
-        store.select_batch(torch.tensor(rows))
+        store = _restricted(step.store, rows)
         selector.preset(store, dict(key))
         sub_step = _rows_of(step, rows, store)
         sub_state = _state(sub_step)
