@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")
 
     import kvsieve
-    from kvsieve.cache.shared_prefill import prefill_shared
+    from kvsieve.engine.shared_prefill import prefill_shared
 
     cpu = cpu_info()
     dtype, dtype_note = pick_dtype(args.dtype, cpu["bf16_native"])

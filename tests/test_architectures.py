@@ -28,9 +28,9 @@ from transformers import BartConfig, DeepseekV3Config, DynamicCache, Qwen3NextCo
 
 import kvsieve
 from kvsieve.attention.kernel import AttentionForm, attention_rows, visibility_mask
-from kvsieve.cache.shared_prefill import prefill_shared
 from kvsieve.engine.engine import Engine
-from kvsieve.scores.rope import rotary_table, unrotate, uses_rope
+from kvsieve.engine.shared_prefill import prefill_shared
+from kvsieve.ops.rope import rotary_table, unrotate, uses_rope
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = [  # runs in the transformers-version matrix (scripts/compat_matrix.sh)

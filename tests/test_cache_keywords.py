@@ -24,7 +24,7 @@ from helpers import prompt, random_gates
 from transformers import DynamicCache
 
 import kvsieve
-from kvsieve.eval.model_loader import load_tiny_llama
+from kvsieve.models.tiny import load_tiny_llama
 from kvsieve.transformers_adapter import CACHE_KEYWORDS, cache_keyword, cache_kwargs, output_cache
 
 pytestmark = pytest.mark.compat

@@ -11,12 +11,12 @@ from test_scores import make_step, nominal, observe
 from transformers import DynamicCache
 
 import kvsieve
+from kvsieve.ops.gqa import reduce_groups
+from kvsieve.ops.reconstruction import caote_meta_scores, caote_scores
 from kvsieve.parts import AccumulatedAttention, Caote, LastQueryAttention, WindowAttention
 from kvsieve.parts.scorers.h2o import ACCUMULATOR
 from kvsieve.policies import PRESETS
 from kvsieve.policies.presets import preset
-from kvsieve.scores.gqa import reduce_groups
-from kvsieve.scores.reconstruction import caote_meta_scores, caote_scores
 from kvsieve.transformers_adapter import cache_kwargs
 
 NAMES = ["h2o_caote", "tova_caote", "snapkv_caote", "h2o_fastcaote", "tova_fastcaote", "snapkv_fastcaote"]

@@ -14,13 +14,13 @@ from transformers import LlamaConfig, Phi3Config
 import kvsieve
 from kvsieve.attention.kernel import attend, output_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.step import MERGE_COUNT
+from kvsieve.core.step import MERGE_COUNT
+from kvsieve.ops.rope import UnsupportedRotaryError, rotary_table, rotate, unrotate
 from kvsieve.parts import Evict, Merge
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
 from kvsieve.parts.actions.evict_merge_pos import POSITION_TABLE, EvictThenMergePos
 from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, LOCAL_ROWS, GlobalLocal, global_local
 from kvsieve.policies import Policy, make_policy
-from kvsieve.scores.rope import UnsupportedRotaryError, rotary_table, rotate, unrotate
 from kvsieve.transformers_adapter import cache_kwargs
 
 

@@ -182,7 +182,7 @@ def test_topk_attention_matches_manual_selection(padded):
     hand-written top-k softmax; with ``padded``, batch row 1 holds only its last ``length - 3`` entries."""
     from kvsieve.attention.kernel import attend
     from kvsieve.cache.store import LayerStore
-    from kvsieve.engine.step import LayerStep
+    from kvsieve.core.step import LayerStep
     from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
     from kvsieve.parts import ExactTopK
 

@@ -12,8 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvsieve import KVCache
 from kvsieve.eval.evaluate import evaluate_cell
-from kvsieve.eval.metrics import teacher_forced_logprobs
-from kvsieve.eval.passes import forward_logits, greedy, needs_stepwise
+from kvsieve.eval.passes import forward_logits, greedy, needs_stepwise, teacher_forced_logprobs
 from kvsieve.policies import make_policy
 
 REQUIRED = (

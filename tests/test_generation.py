@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.eval.model_loader import load_tiny_llama
 from kvsieve.generation import compress_context
+from kvsieve.models.tiny import load_tiny_llama
 
 CONTEXT = " ".join(f"Item {i} is stored in box {(7 * i) % 31}." for i in range(60))
 QUESTIONS = ["Which box holds item 12?", "Where is item 3 kept, and why?", "Name a box."]

@@ -22,10 +22,10 @@ from kvsieve.eval.metrics import (
     mean_kl,
     string_match_all,
     string_match_part,
-    teacher_forced_logprobs,
     token_logprobs,
     top_logprobs,
 )
+from kvsieve.eval.passes import teacher_forced_logprobs
 
 
 def test_string_match_all_is_the_fraction_found_case_insensitive():

@@ -12,7 +12,6 @@ import torch
 
 import kvsieve
 from kvsieve.cli import main
-from kvsieve.eval.model_loader import load_tiny_llama
 from kvsieve.models.loading import (
     MissingExtraError,
     ModelNotFoundError,
@@ -21,6 +20,7 @@ from kvsieve.models.loading import (
     resolve_device,
     spec_kind,
 )
+from kvsieve.models.tiny import load_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_bad_specs_name_the_problem(tmp_path: Path) -> None:
         assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="cannot import"):
         load_model("kvsieve_no_such_module:load")
-    model, _ = load_model("kvsieve.eval.model_loader:load_tiny_llama")  # package.module:function
+    model, _ = load_model("kvsieve.models.tiny:load_tiny_llama")  # package.module:function
     assert model.config.num_hidden_layers == 2
 
 

@@ -16,8 +16,8 @@ import kvsieve
 from kvsieve.attention.kernel import attend, output_mask
 from kvsieve.cache.pages import PageMinMax
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.plan import Plan
-from kvsieve.engine.step import LAYER_INPUTS, MERGE_COUNT, LayerStep
+from kvsieve.core.plan import Plan
+from kvsieve.core.step import LAYER_INPUTS, MERGE_COUNT, LayerStep
 from kvsieve.models.architectures import architecture_of, decoder_layers
 from kvsieve.parts import (
     Adaptive,

@@ -53,10 +53,10 @@ from test_row_independence import Program, RunResult, compare_row, known_row_dep
 from transformers import DynamicCache, StaticCache
 
 import kvsieve
+from kvsieve.core.part import PolicyConfigError
 from kvsieve.parts.allocators import Adaptive, GlobalBudget
 from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
-from kvsieve.parts.base import PolicyConfigError
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)

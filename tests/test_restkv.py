@@ -15,11 +15,10 @@ from transformers import DynamicCache
 
 import kvsieve
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.step import LayerStep
+from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
-from kvsieve.parts import OutputReconstruction
-from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
-from kvsieve.scores.smoothing import (
+from kvsieve.ops.reconstruction import output_gram, restkv_indicator, vatp_indicator
+from kvsieve.ops.smoothing import (
     adaptive_spatial_smoothing,
     adaptive_window,
     ema_over_window,
@@ -27,6 +26,7 @@ from kvsieve.scores.smoothing import (
     shifted_window_mean,
     top_index_mean,
 )
+from kvsieve.parts import OutputReconstruction
 from kvsieve.transformers_adapter import cache_kwargs
 
 BATCH, Q_HEADS, KV_HEADS, D, HIDDEN = 2, 4, 2, 8, 12

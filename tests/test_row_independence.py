@@ -35,9 +35,9 @@ from conftest import get_model
 from helpers import left_pad, prompt, with_test_gates
 
 import kvsieve
+from kvsieve.core.part import PolicyConfigError
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.allocators import Adaptive
-from kvsieve.parts.base import PolicyConfigError
 from kvsieve.parts.scorers import Caote, RandomScores
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -417,7 +417,7 @@ def test_ratio_target_is_the_decimal_one(model, ratio, length, kept):
 
 def test_adaptive_counts_row_alone_equals_row_in_padded_batch():
     """The allocation of a row is a function of that row: padding width and other rows change nothing."""
-    from kvsieve.budgets.adaptive import adaptive_counts
+    from kvsieve.ops.adaptive_counts import adaptive_counts
 
     generator = torch.Generator().manual_seed(0)
     inf = float("inf")

@@ -278,7 +278,7 @@ def test_a_sweep_file_naming_a_function_needs_an_explicit_opt_in(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """``model: "pkg.mod:fn"`` in a YAML file imports and calls that function: refused unless trusted."""
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text("model: kvsieve.eval.model_loader:load_tiny_llama\npolicies: [snapkv]\nbudgets: [32]\n"
+    sweep.write_text("model: kvsieve.models.tiny:load_tiny_llama\npolicies: [snapkv]\nbudgets: [32]\n"
                      "tasks: [passkey]\nlengths: [128]\nworkers: 1\nthreads: 1\n"
                      f"output_dir: {tmp_path / 'out'}\n")
     assert main(["eval", "--config", str(sweep), "--no-progress"]) == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.eval.model_loader import load_tiny_llama
+from kvsieve.models.tiny import load_tiny_llama
 
 CONTEXT = " ".join(f"Item {i} is stored in box {(7 * i) % 31}." for i in range(60))
 QUESTIONS = ["Which box holds item 12?", "Name a box."]
@@ -60,7 +60,7 @@ def test_another_process_answers_the_same(tiny, tmp_path: Path) -> None:
     expected = _answers(ctx)
     script = textwrap.dedent(f"""
         import json, kvsieve, torch
-        from kvsieve.eval.model_loader import load_tiny_llama
+        from kvsieve.models.tiny import load_tiny_llama
         torch.set_num_threads(1)
         model, tokenizer = load_tiny_llama()
         ctx = kvsieve.load_context({str(tmp_path / "ctx")!r}, model, tokenizer)

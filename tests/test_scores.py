@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kvsieve
 from kvsieve.cache.store import LayerStore, SideSpec
-from kvsieve.engine.step import LayerStep
+from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import AccumulatedAttention, LastQueryAttention, Scorer, Sinks, WindowAttention
 from kvsieve.parts.scorers.h2o import ACCUMULATOR

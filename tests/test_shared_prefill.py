@@ -7,7 +7,7 @@ import torch
 from helpers import left_pad, prompt
 
 import kvsieve
-from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)

@@ -19,17 +19,18 @@ import kvsieve
 from kvsieve.attention.kernel import attend
 from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
+from kvsieve.cache.selection_state import SelectionState
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.step import LayerStep
+from kvsieve.core.part import PolicyConfigError
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
 from kvsieve.parts import ExactTopK
 from kvsieve.parts.allocators.two_stage import stage1_keep
-from kvsieve.parts.base import PolicyConfigError
 from kvsieve.parts.selectors import HybridSparse, Quest, SparQ
-from kvsieve.parts.selectors.base import Selection
 from kvsieve.parts.selectors.hsa import hsa_shape
 from kvsieve.parts.selectors.quest import page_upper_bounds
-from kvsieve.parts.selectors.sparse import SelectionState, page_valid, rocket_split
+from kvsieve.parts.selectors.sparse import page_valid, rocket_split
 from kvsieve.transformers_adapter import cache_kwargs
 
 SELECTION_PRESETS = ("quest", "sparq", "hsa", "rocketkv", "rocketkv_mt")
@@ -244,7 +245,7 @@ def test_member_pages_stay_exact_after_marks_and_appends(padded):
     store, _ = _store_step(length=20, padded=padded)
     store.ensure_side(STAGE1_KEEP)
     store.add_hook(hook)
-    from kvsieve.engine.plan import Plan
+    from kvsieve.core.plan import Plan
     from kvsieve.parts.actions import Mark
 
     keep = torch.tensor(

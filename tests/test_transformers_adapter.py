@@ -69,7 +69,7 @@ def test_cache_keyword_is_what_the_installed_forward_takes():
 
 def test_kvsieve_calls_raise_no_deprecation_warning():
     """``prefill_shared``, ``compress_context``/``ask`` and a cache through ``cache_kwargs``: no FutureWarning."""
-    from kvsieve.eval.model_loader import load_tiny_llama
+    from kvsieve.models.tiny import load_tiny_llama
 
     model, tokenizer = load_tiny_llama()
     with warnings.catch_warnings():

@@ -240,7 +240,7 @@ def test_student_with_fresh_gates_matches_teacher_and_only_gates_get_gradients()
 
 
 def test_train_is_deterministic_and_resumes(tmp_path):
-    from kvsieve.eval.model_loader import load_tiny_llama
+    from kvsieve.models.tiny import load_tiny_llama
 
     model, tokenizer = load_tiny_llama()
     before = {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
@@ -355,7 +355,7 @@ def test_train_refuses_a_non_finite_capacity_weight(value):
 
 def test_train_does_not_resume_another_models_checkpoint(tmp_path):
     """Same shapes, other weights: the checkpoint records the model's fingerprint (it used to resume)."""
-    from kvsieve.eval.model_loader import load_tiny_llama
+    from kvsieve.models.tiny import load_tiny_llama
 
     model, tokenizer = load_tiny_llama()
     other, _ = load_tiny_llama()

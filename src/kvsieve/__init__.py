@@ -5,8 +5,8 @@ model instance to the ``"kvsieve"`` attention (the model's own attention when no
 """
 
 from kvsieve.attention.register import prepare_model, register_attention
-from kvsieve.cache.kv_cache import KVCache
-from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.engine.kv_cache import KVCache
+from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.generation import (
     Answer,
     CompressedContext,

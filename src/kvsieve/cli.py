@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvsieve.models.arguments import add_model_arguments
 from kvsieve.models.loading import MissingExtraError
-from kvsieve.policies.registry import UnknownPolicyError, list_policies
+from kvsieve.policies.presets import UnknownPolicyError, list_policies
 
 
 def _csv(kind: type, name: str):  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvsieve.cache.kv_cache import KVCache
+from kvsieve.engine.kv_cache import KVCache
 from kvsieve.eval.haystack import load_essays
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -76,15 +76,6 @@ def decode_tokens_per_s(model: torch.nn.Module, cache: Any, token: torch.Tensor,
     """Decoding throughput in tokens/s (all batch rows counted)."""
     latencies, _ = decode_latencies(model, cache, token, steps)
     return steps * token.shape[0] / sum(latencies)
-
-
-def cache_stats(cache: Any) -> dict[str, int]:
-    """``kv_bytes`` (keys + values held), ``nbytes`` (allocated), ``peak_head_length`` (most entries per head)."""
-    if isinstance(cache, KVCache):
-        return {"kv_bytes": cache.kv_nbytes(), "nbytes": cache.nbytes, "peak_head_length": cache.peak_head_length()}
-    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
-    length = max((layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None), default=0)
-    return {"kv_bytes": kv, "nbytes": kv, "peak_head_length": int(length)}
 
 
 def _status_kib(field: str) -> int | None:

@@ -62,7 +62,7 @@ class BenchConfig:
 
 def validate(config: BenchConfig) -> list[PolicySpec]:
     """Check the grid before any process starts; returns the parsed policies."""
-    from kvsieve.policies.registry import make_policy
+    from kvsieve.policies.presets import make_policy
 
     specs = [PolicySpec.parse(p) for p in config.policies]
     specs = [s for s in specs if s.name != FULL]

@@ -1,6 +1,4 @@
-"""The compressed cache and its ragged per-head storage."""
+"""Storage: one layer's ragged keys, values, positions and side data (``LayerStore``) and its hooks.
 
-from kvsieve.cache.kv_cache import KVCache, KVLayer
-from kvsieve.cache.store import RaggedLayerStore
-
-__all__ = ["KVCache", "KVLayer", "RaggedLayerStore"]
+``KVCache``, which owns an engine and these stores, is :class:`kvsieve.engine.kv_cache.KVCache`.
+"""

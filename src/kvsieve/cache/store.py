@@ -85,7 +85,12 @@ class StoreHook:
         """Entries were removed, reordered or moved (compaction, batch selection)."""
 
     def nbytes(self) -> int:
+        """Bytes this hook holds (``KVCache.kv_nbytes()["aux"]``)."""
         return 0
+
+    def traffic(self) -> tuple[int | torch.Tensor, int, int] | None:
+        """KV traffic measured at decoding (bytes read, bytes full attention would read, steps); None: not measured."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -557,7 +562,3 @@ def _row_nbytes(t: torch.Tensor) -> int:
     for size in t.shape[1:]:
         per *= size
     return per
-
-
-#: Backwards-compatible name (kvsieve ≤ 0.1).
-RaggedLayerStore = LayerStore

@@ -1,1 +1,1 @@
-"""The engine: append → attend → observe → plan → act, for every layer of a kvsieve cache."""
+"""The engine: ``KVCache`` and the one owner of append → attend → observe → plan → act for its layers."""

@@ -31,17 +31,17 @@ import torch
 from kvsieve.attention.kernel import AttentionForm, attend, causal_mask, output_mask
 from kvsieve.attention.masks import dense_causal_mask, padding_from_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.plan import Plan
+from kvsieve.core.plan import Plan
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LAYER_INPUTS, LayerStep
 from kvsieve.engine.row_groups import select_by_row
-from kvsieve.engine.step import LAYER_INPUTS, LayerStep
 from kvsieve.models.architectures import ModelInfo
-from kvsieve.parts.selectors.base import Selection
 from kvsieve.policies.policy import Policy
 from kvsieve.transformers_adapter import sdpa_attention
 
 
 class LayerState(Protocol):
-    """What the engine needs from a cache layer (``kvsieve.cache.kv_cache.KVLayer``)."""
+    """What the engine needs from a cache layer (``kvsieve.engine.kv_cache.KVLayer``)."""
 
     layer_idx: int
     left_alone: bool
@@ -94,7 +94,8 @@ class Engine:
         self.managed = info.managed_layers
         self.compactions = 0
         self._global = policy.allocator.scope == "global"
-        self._window = policy.scorer.protected_window() if policy.scorer is not None else 0
+        self._budget_spec = policy.budget_spec
+        self._window = self._budget_spec.window
         self._needs = policy.scorer.needs() if policy.scorer is not None else frozenset()
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
@@ -201,7 +202,7 @@ class Engine:
 
         Only valid for a layer's first forward of more than one token on an empty store under a
         non-blockwise schedule: its output would then be plain causal attention over the prompt itself,
-        the same for every cache (:func:`kvsieve.cache.shared_prefill.prefill_shared` checks this).
+        the same for every cache (:func:`kvsieve.engine.shared_prefill.prefill_shared` checks this).
         Before their compaction all followers hold exactly the prompt's entries, so they share one
         ``memo`` of statistics.
         """
@@ -378,7 +379,7 @@ class Engine:
     def _nominal(self, layer: LayerState, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = step.lengths()
         nominal = self.policy.allocator.nominal(
-            self.policy, lengths.cpu(), layer.layer_idx, self.info.num_layers, self._window
+            self._budget_spec, lengths.cpu(), layer.layer_idx, self.info.num_layers, self._window
         ).to(lengths.device)
         return lengths, nominal
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from kvsieve.cache.selection_state import SelectionState
 from kvsieve.cache.store import LayerStore
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.selectors.base import Selection, Selector
-from kvsieve.parts.selectors.sparse import SelectionState
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LayerStep
+from kvsieve.parts.selectors.base import Selector
 
 
 def _state(step: LayerStep) -> SelectionState | None:

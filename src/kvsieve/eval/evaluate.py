@@ -17,7 +17,7 @@
 :func:`evaluate_cells` evaluates several caches on one sample (what the sweep runner sends a worker):
 the sample is built once, the full-cache cell runs first and its reference is kept in memory, and
 every cache whose prompt forward does not depend on its policy (all schedules but ``blockwise``) is
-filled by one shared forward (:func:`kvsieve.cache.shared_prefill.prefill_shared`), which leaves each
+filled by one shared forward (:func:`kvsieve.engine.shared_prefill.prefill_shared`), which leaves each
 cache exactly as its own prefill would. Records are the same as from :func:`evaluate_cell` apart from
 timings; ``prefill_shared`` says how many caches shared the forward (1: its own) and ``prefill_s`` is
 the shared forward's time, of which ``elapsed_s`` counts an equal share.
@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from kvsieve.cache.kv_cache import KVCache
-from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.engine.kv_cache import KVCache
+from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.eval.metrics import answer_logprob, kl_per_position, mean_kl, token_logprobs
 from kvsieve.eval.passes import forward_logits, greedy, needs_stepwise, stream_nll, teacher_force
 from kvsieve.eval.reference import fingerprint, load_reference, reference_path, save_reference

@@ -17,7 +17,7 @@ log-probability rows ``(n, vocab)`` where row ``i`` is the next-token distributi
 * :func:`coarse_kl_per_position`: the same over the full cache's top-k tokens plus one "rest" bucket
   (for long spans where storing full rows is too big; a lower bound of the exact KL).
 
-:func:`teacher_forced_logprobs` computes such rows for any cache.
+:func:`kvsieve.eval.passes.teacher_forced_logprobs` computes such rows for any cache.
 """
 
 from __future__ import annotations
@@ -128,23 +128,3 @@ def coarse_kl_per_position(
         p_rest, q_rest = _log_rest(p_log), _log_rest(q_log)
         kl = kl + p_rest.exp() * (p_rest - q_rest)
     return kl.clamp_min(0.0)
-
-
-@torch.inference_mode()
-def teacher_forced_logprobs(
-    model: torch.nn.Module,
-    cache: object,
-    prompt_ids: Sequence[int],
-    answer_ids: Sequence[int],
-    stepwise: bool = False,
-) -> torch.Tensor:
-    """Log-probability rows ``(len(answer_ids), vocab)`` (float32) of the answer after the prompt.
-
-    The prompt is fed in one forward on ``cache`` (a fresh ``KVCache``/``DynamicCache``), then the
-    answer: row ``i`` predicts ``answer_ids[i]``. ``stepwise`` feeds the answer one token per forward
-    (what decoding-time eviction and decoding-time selection see), otherwise in one forward.
-    """
-    from kvsieve.eval.passes import forward_logits, teacher_force
-
-    first = forward_logits(model, prompt_ids, cache, keep=1)[-1]
-    return teacher_force(model, cache, first, answer_ids, stepwise=stepwise)

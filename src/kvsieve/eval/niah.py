@@ -41,9 +41,9 @@ import torch
 from tqdm import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.bench.measure import cache_stats
-from kvsieve.cache.kv_cache import KVCache
-from kvsieve.cache.shared_prefill import prefill_shared
+from kvsieve.engine.kv_cache import KVCache
+from kvsieve.engine.shared_prefill import prefill_shared
+from kvsieve.engine.stats import cache_stats
 from kvsieve.eval.haystack import load_essay_texts
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -244,7 +244,7 @@ def score_sample(
     """Greedy retrieval and teacher-forced answer log-likelihood of one sample under ``make_cache``.
 
     ``prefilled`` = ``(cache, last-position logits (1, vocab), seconds)`` skips the prefill (a cache
-    filled by :func:`kvsieve.cache.shared_prefill.prefill_shared`).
+    filled by :func:`kvsieve.engine.shared_prefill.prefill_shared`).
 
     One prefill on a fresh cache from ``make_cache`` (None means a plain ``DynamicCache``), then two
     continuations: greedy decoding one token per forward call, and, on a deep copy of the prefilled
@@ -347,7 +347,7 @@ def run_niah(
     ``prompt_tokens``, ``needle_start``, ``needle_end``, ``answer`` and the :func:`score_sample` fields.
     Samples are built once and shared by all caches; on each sample, every ``KVCache`` whose prompt
     forward does not depend on its policy (all but the ``blockwise`` schedule) is filled by one shared
-    forward (:func:`kvsieve.cache.shared_prefill.prefill_shared`; ``prefill_shared`` in the record
+    forward (:func:`kvsieve.engine.shared_prefill.prefill_shared`; ``prefill_shared`` in the record
     counts the caches, ``prefill_s`` is that forward's time). Progress goes to stderr.
     """
     factories: Mapping[str, Callable[[], Cache | None]] = make_cache_fns or {"full": lambda: None}

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvsieve.policies.registry import make_policy
+from kvsieve.policies.presets import make_policy
+from kvsieve.policies.spec import parse_policy_spec
 from kvsieve.result_files import check_output_file, write_json_atomic
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -112,42 +113,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _value(text: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-#: Policy parameters the commands set from their own flags (``--budget``/``--budgets``), not from a spec.
-FLAG_PARAMETERS = ("budget", "ratio")
-
-
-def parse_policy_spec(spec: str, flag: str = "--policies") -> tuple[str, dict[str, object]]:
-    """``"h2o_caote:schedule=blockwise:block_size=64"`` → ``("h2o_caote", {...})``.
-
-    ``budget``/``ratio`` are refused in a spec: the command's ``--budget``/``--budgets`` set them, and a
-    second value would be ambiguous.
-    """
-    name, *pairs = spec.split(":")
-    if not name.strip():
-        raise ValueError(f"{flag}: empty policy name in {spec!r}")
-    params: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag}: expected name[:key=value...]; got {spec!r}")
-        if key in FLAG_PARAMETERS:
-            raise ValueError(f"{flag}: {spec!r} sets {key}; give budgets with --budget/--budgets, not in the "
-                             "policy spec")
-        if key in params:
-            raise ValueError(f"{flag}: {spec!r} sets {key} twice")
-        params[key] = _value(value)
-    return name, params
-
-
 def run_niah_command(args: argparse.Namespace) -> int:
     """Validate everything, load the default model, run the grid, print and save results."""
     # Validate every policy/budget before loading anything.
@@ -164,9 +129,10 @@ def run_niah_command(args: argparse.Namespace) -> int:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"--depths: each depth must be in [0, 1]; got {depth}")
 
-    from kvsieve.cache.kv_cache import KVCache
+    from kvsieve.engine.kv_cache import KVCache
     from kvsieve.eval.niah import run_niah
-    from kvsieve.models.arguments import check_model_args, check_policies_for_model, load_model_from_args
+    from kvsieve.models.arguments import check_model_args, load_model_from_args
+    from kvsieve.policies.model_check import check_policies_for_model
 
     check_model_args(args)
     check_policies_for_model(args, list(built.values()))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvsieve.cache.kv_cache import KVCache
+from kvsieve.engine.kv_cache import KVCache
 from kvsieve.eval.metrics import coarse_kl_per_position, top_logprobs
 from kvsieve.policies.policy import Policy
 from kvsieve.transformers_adapter import cache_kwargs
@@ -194,3 +194,21 @@ def stream_nll(
         top_logprobs=torch.cat(top_v),
         kl=torch.cat(kls),
     )
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(
+    model: torch.nn.Module,
+    cache: object,
+    prompt_ids: Sequence[int],
+    answer_ids: Sequence[int],
+    stepwise: bool = False,
+) -> torch.Tensor:
+    """Log-probability rows ``(len(answer_ids), vocab)`` (float32) of the answer after the prompt.
+
+    The prompt is fed in one forward on ``cache`` (a fresh ``KVCache``/``DynamicCache``), then the
+    answer: row ``i`` predicts ``answer_ids[i]``. ``stepwise`` feeds the answer one token per forward
+    (what decoding-time eviction and decoding-time selection see), otherwise in one forward.
+    """
+    first = forward_logits(model, prompt_ids, cache, keep=1)[-1]
+    return teacher_force(model, cache, first, answer_ids, stepwise=stepwise)

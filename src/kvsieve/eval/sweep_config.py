@@ -197,7 +197,7 @@ def validate_config(config: SweepConfig, get_task: Callable[[str], Any] | None =
     Raises:
         SweepConfigError: the message names the bad setting and what is allowed.
     """
-    from kvsieve.policies.registry import make_policy
+    from kvsieve.policies.presets import make_policy
 
     config.policies = [p for p in config.policies if p.name != FULL]  # the full cache always runs
     if config.policies and not config.budgets:

@@ -16,9 +16,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from kvsieve.generation.saved_context import FULL
 from kvsieve.models.arguments import add_model_arguments
-
-FULL = "full"
 
 
 def _policies(text: str) -> list[str]:
@@ -51,9 +50,10 @@ def _read_context(source: str) -> str:
 
 def _check(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     """Every setting checked before the model loads; returns (label, policy name, params) per cache."""
-    from kvsieve.eval.niah_cli import parse_policy_spec
-    from kvsieve.models.arguments import check_model_args, check_policies_for_model
-    from kvsieve.policies.registry import make_policy
+    from kvsieve.models.arguments import check_model_args
+    from kvsieve.policies.model_check import check_policies_for_model
+    from kvsieve.policies.presets import make_policy
+    from kvsieve.policies.spec import parse_policy_spec
 
     if args.budget < 1:
         raise ValueError(f"--budget: must be ≥ 1 entry per KV head; got {args.budget}")

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
-from kvsieve.cache.kv_cache import KVCache
+from kvsieve.engine.kv_cache import KVCache
 from kvsieve.generation.prompt import PromptFormat, prompt_format
+from kvsieve.generation.saved_context import FULL, load_saved, save_context
 from kvsieve.models.architectures import model_info
-from kvsieve.policies.registry import make_policy
+from kvsieve.policies.presets import make_policy
 from kvsieve.transformers_adapter import cache_kwargs
-
-FULL = "full"
 
 
 @dataclass(frozen=True)
@@ -128,9 +127,7 @@ class CompressedContext:
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Save to ``<path>.safetensors`` + ``<path>.json``; :func:`kvsieve.load_context` reads them back in
         any process, with the same model (checked by fingerprint) — see :mod:`kvsieve.generation.saved_context`."""
-        from kvsieve.generation.saved_context import save_context
-
-        return save_context(self, path)
+        return save_context(path, self.model, self.cache, self.policy_spec, self.format, self.stats.__dict__)
 
     def ask(self, question: str, max_new_tokens: int = 64, streamer: Any = None) -> Answer:
         """Answer one question from a copy of the compressed context (greedy; ``streamer`` gets each token:
@@ -254,4 +251,13 @@ def compress_context(
     context = CompressedContext(model, tokenizer, cache, fmt, stats)
     if policy is None or isinstance(policy, str):
         context.policy_spec = {"name": name, "budget": None if name == FULL else budget, "params": dict(params)}
+    return context
+
+
+def load_context(stem: str | Path, model: Any, tokenizer: Any) -> CompressedContext:
+    """A context saved by :meth:`CompressedContext.save`, on ``model`` (the same weights and dtype, checked by
+    fingerprint before anything is built) — see :mod:`kvsieve.generation.saved_context`."""
+    cache, fmt, stats, spec = load_saved(stem, model)
+    context = CompressedContext(model, tokenizer, cache, fmt, ContextStats(**stats))
+    context.policy_spec = spec
     return context

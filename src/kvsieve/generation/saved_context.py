@@ -1,5 +1,6 @@
-"""Compress once, keep for later: a :class:`~kvsieve.generation.context.CompressedContext` saved to disk and
-loaded in another process to answer more questions.
+"""Compress once, keep for later: the on-disk form of a compressed context (``CompressedContext.save`` and
+:func:`kvsieve.load_context` in :mod:`kvsieve.generation.context` call the two functions here), loaded in
+another process to answer more questions.
 
 Two files per saved context (no pickle): ``<stem>.safetensors`` holds every cache layer's held entries
 (keys, values, absolute positions and the policy's per-entry side data, compact: a head that keeps 100
@@ -25,13 +26,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from kvsieve.cache.kv_cache import KVCache
-from kvsieve.generation.context import FULL, CompressedContext, ContextStats
+from kvsieve.engine.kv_cache import KVCache
 from kvsieve.generation.prompt import PromptFormat
 from kvsieve.models.fingerprint import model_fingerprint
-from kvsieve.policies.registry import make_policy
+from kvsieve.policies.presets import make_policy
 
 FORMAT = "kvsieve-compressed-context/1"
+#: The policy name of an uncompressed context (a ``DynamicCache``).
+FULL = "full"
 
 
 class SavedContextError(ValueError):
@@ -57,16 +59,17 @@ def _json_ready(value: Any, what: str) -> Any:
     return value
 
 
-def save_context(context: CompressedContext, stem: str | Path) -> tuple[Path, Path]:
-    """Write ``context`` to ``<stem>.safetensors`` + ``<stem>.json`` (see the module docstring)."""
-    spec = context.policy_spec
+def save_context(
+    stem: str | Path, model: Any, cache: Any, spec: dict[str, Any] | None, prompt: PromptFormat, stats: dict[str, Any]
+) -> tuple[Path, Path]:
+    """Write a compressed context (its model, cache, policy spec, prompt format and statistics) to
+    ``<stem>.safetensors`` + ``<stem>.json`` (see the module docstring)."""
     if spec is None:
         raise SavedContextError(
             "save: this context was compressed with a Policy object; compress with a preset name "
             "(compress_context(model, tokenizer, text, 'snapkv', budget=256, ...)) to save it"
         )
     _json_ready(spec["params"], "policy parameters")
-    cache = context.cache
     tensors: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Any]] = []
     if isinstance(cache, KVCache):
@@ -87,16 +90,15 @@ def save_context(context: CompressedContext, stem: str | Path) -> tuple[Path, Pa
         compactions = 0
     weights, meta = context_files(stem)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    model = context.model
     info = {
         "format": FORMAT,
         "model_fingerprint": model_fingerprint(model),
         "model_name": str(getattr(model.config, "_name_or_path", "")),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "policy": spec,
-        "prompt": {"context_ids": context.format.context_ids, "question_prefix": context.format.question_prefix,
-                   "question_suffix": context.format.question_suffix, "chat": context.format.chat},
-        "stats": {**context.stats.__dict__},
+        "prompt": {"context_ids": prompt.context_ids, "question_prefix": prompt.question_prefix,
+                   "question_suffix": prompt.question_suffix, "chat": prompt.chat},
+        "stats": dict(stats),
         "layers": layers,
         "compactions": compactions,
     }
@@ -123,8 +125,9 @@ def _read(stem: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return info, tensors
 
 
-def load_context(stem: str | Path, model: Any, tokenizer: Any) -> CompressedContext:
-    """A context saved by :meth:`CompressedContext.save`, on ``model`` (the same weights and dtype)."""
+def load_saved(stem: str | Path, model: Any) -> tuple[Any, PromptFormat, dict[str, Any], dict[str, Any]]:
+    """``(cache, prompt format, statistics, policy spec)`` of a context saved by :func:`save_context`, on
+    ``model`` (the same weights and dtype, checked before anything is built)."""
     info, tensors = _read(stem)
     fingerprint = model_fingerprint(model)
     if info["model_fingerprint"] != fingerprint:
@@ -170,6 +173,4 @@ def load_context(stem: str | Path, model: Any, tokenizer: Any) -> CompressedCont
     prompt = info["prompt"]
     fmt = PromptFormat(list(prompt["context_ids"]), prompt["question_prefix"], prompt["question_suffix"],
                        bool(prompt["chat"]))
-    context = CompressedContext(model, tokenizer, cache, fmt, ContextStats(**info["stats"]))
-    context.policy_spec = spec
-    return context
+    return cache, fmt, dict(info["stats"]), spec

@@ -77,22 +77,3 @@ def load_model_from_args(args: argparse.Namespace, quiet: bool = False) -> tuple
         print(f"loaded {settings['model']} ({settings['dtype']}, {settings['device']}) in "
               f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
     return loaded
-
-
-def check_policies_for_model(args: argparse.Namespace, policies: list[Any]) -> None:
-    """Before the model loads: learned-retention policies without ``gates=`` need shipped gates for a local
-    model folder's architecture (read from its ``config.json``); refused here, naming how to train them."""
-    import json
-
-    from kvsieve.gates.pretrained import check_shipped_for_config
-    from kvsieve.models.loading import spec_kind
-    from kvsieve.parts.scorers import RetentionGate
-
-    spec = model_settings(args)["model"]
-    if spec_kind(spec) != "folder":
-        return  # built-in models, GGUF files, hub ids and functions: checked by fingerprint after loading
-    config = json.loads((Path(spec).expanduser() / "config.json").read_text(encoding="utf-8"))
-    for policy in policies:
-        scorer = getattr(policy, "scorer", None)
-        if isinstance(scorer, RetentionGate) and scorer.gates is None:
-            check_shipped_for_config(config, scorer.pretrained, spec)

@@ -415,8 +415,8 @@ def load_model(
     if kind == "folder" or tokenizer is not None:  # before any weight is read
         tokenizer_source(str(Path(spec).expanduser()), tokenizer, kind == "folder")
     if kind == "builtin":
-        from kvsieve.eval.model_loader import load_tiny_llama
         from kvsieve.models.default_model import load_default_model
+        from kvsieve.models.tiny import load_tiny_llama
 
         loaded = load_default_model(dtype=torch_dtype) if spec == "smollm2" else load_tiny_llama(torch_dtype)
         return _finish(*loaded, target)

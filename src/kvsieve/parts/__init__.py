@@ -1,8 +1,8 @@
 """The parts a policy composes: scorers, allocators, actions, selectors and schedules."""
 
+from kvsieve.core.part import Part, PolicyConfigError
 from kvsieve.parts.actions import ACTIONS, Action, Evict, Merge
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, GlobalBudget, Pyramid, Uniform
-from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.schedules import SCHEDULES, Blockwise, Decode, Prefill, Schedule
 from kvsieve.parts.scorers import (
     SCORERS,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvsieve.parts.base import Part, require_int
+from kvsieve.core.part import Part, require_int
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (Prefill, Decod
 
 def make_schedule(name: object, buffer: int = 0, block_size: int = 128) -> Schedule:
     """The schedule called ``name`` (``"prefill"``, ``"decode"``, ``"blockwise"``) with its parameters."""
-    from kvsieve.parts.base import PolicyConfigError
+    from kvsieve.core.part import PolicyConfigError
 
     if isinstance(name, Schedule):
         return name

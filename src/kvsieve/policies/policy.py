@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvsieve.cache.store import SideSpec, StoreHook
+from kvsieve.core.budget import BudgetSpec
+from kvsieve.core.part import Part, PolicyConfigError, is_int, is_number
 from kvsieve.parts.actions import ACTIONS, Action, Evict
 from kvsieve.parts.allocators import ALLOCATORS, Allocator, Uniform
-from kvsieve.parts.base import Part, PolicyConfigError, is_int, is_number
 from kvsieve.parts.schedules import Prefill, Schedule, make_schedule
 from kvsieve.parts.scorers import Scorer
 from kvsieve.parts.selectors import Selector
@@ -70,6 +71,12 @@ class Policy:
     @property
     def block_size(self) -> int | None:
         return self.schedule.block_length()
+
+    @property
+    def budget_spec(self) -> BudgetSpec:
+        """What the parts see of this policy: name, budget or ratio, and the scorer's protected window."""
+        window = self.scorer.protected_window() if self.scorer is not None else 0
+        return BudgetSpec(self.name, self.budget, self.ratio, window)
 
     def schedules(self) -> tuple[str, ...]:
         """Schedules this combination of parts can run under."""
@@ -129,7 +136,7 @@ class Policy:
             raise PolicyConfigError(f"{name}: needs budget (int ≥ 1): the number of entries each query attends to")
         for part in (self.scorer, self.allocator, self.action, self.selector, self.schedule):
             if part is not None:
-                part.check(self)
+                part.check(self.budget_spec)
 
     def bind(self, model: Any) -> Policy:
         """This policy with its scorer bound to ``model`` (learned scorers load weights; most return themselves)."""

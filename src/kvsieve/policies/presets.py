@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from kvsieve.core.part import Part, PolicyConfigError
 from kvsieve.parts.actions import ACTIONS, Action, EvictThenMerge, EvictThenMergePos
 from kvsieve.parts.allocators import ALLOCATORS, Adaptive, Allocator, GlobalBudget, Pyramid, Uniform
 from kvsieve.parts.allocators.two_stage import TwoStageSplit
-from kvsieve.parts.base import Part, PolicyConfigError
 from kvsieve.parts.scorers import (
     AccumulatedAttention,
     Caote,

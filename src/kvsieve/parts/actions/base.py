@@ -1,6 +1,6 @@
 """Action: what happens to the entries a plan does not keep.
 
-``plan(scores, counts, step)`` turns scores and per-head counts into a :class:`~kvsieve.engine.plan.Plan`;
+``plan(scores, counts, step)`` turns scores and per-head counts into a :class:`~kvsieve.core.plan.Plan`;
 ``apply(store, plan)`` executes it. The engine calls both; actions never touch the store otherwise.
 """
 
@@ -12,10 +12,10 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import LayerStore, SideSpec
-from kvsieve.compaction.evict import top_entries
-from kvsieve.engine.plan import Plan
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import Part
+from kvsieve.core.part import Part
+from kvsieve.core.plan import Plan
+from kvsieve.core.step import LayerStep
+from kvsieve.ops.topk import top_entries
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ any scorer works):
 
 Each TBM entry ``i`` goes to ``d_i = argmax_c R_{i,c}`` over the centres with the redundancy
 ``R_{i,c} = cos(k_i, k_c)·cos(v_i, v_c)`` (Sec. 4.1) computed on **raw** keys — un-rotated at their stored
-positions with the layer's rotary table (:mod:`kvsieve.scores.rope`) — and is merged into it only if
+positions with the layer's rotary table (:mod:`kvsieve.ops.rope`) — and is merged into it only if
 ``R_{i,d_i} > τ`` (the paper's "exceeding"/"above τ", App. B; ``R`` is clamped to ``[-1, 1]`` so ``τ = 1``
 is exactly pure eviction by the same score, as Table 6 reads it); otherwise it joins the zero class
 (evicted). The issue text says ``R ≥ τ``: the two differ only on exact ties.
@@ -41,12 +41,12 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.plan import Plan
-from kvsieve.engine.step import LayerStep
+from kvsieve.core.part import PolicyConfigError, is_number, require_number
+from kvsieve.core.plan import Plan
+from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.ops.rope import rotary_table, unrotate
 from kvsieve.parts.actions.merge import Merge, RawKeyPlan
-from kvsieve.parts.base import PolicyConfigError, is_number, require_number
-from kvsieve.scores.rope import rotary_table, unrotate
 
 #: Smallest merge weight (a zero score must not cancel a merge's normalisation).
 MIN_WEIGHT = 1e-12

@@ -31,11 +31,11 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import LayerStore, SideSpec
-from kvsieve.engine.plan import Plan
-from kvsieve.engine.step import MERGE_COUNT, LayerStep
+from kvsieve.core.part import PolicyConfigError, is_int
+from kvsieve.core.plan import Plan
+from kvsieve.core.step import MERGE_COUNT, LayerStep
+from kvsieve.ops.rope import rotary_table, rotate, unrotate
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
-from kvsieve.parts.base import PolicyConfigError, is_int
-from kvsieve.scores.rope import rotary_table, rotate, unrotate
 
 POSITION_TABLE = "ems_positions"
 

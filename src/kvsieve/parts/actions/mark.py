@@ -17,7 +17,7 @@ import torch
 
 from kvsieve.cache.member_pages import STAGE1_KEEP
 from kvsieve.cache.store import LayerStore, SideSpec
-from kvsieve.engine.plan import Plan
+from kvsieve.core.plan import Plan
 from kvsieve.parts.actions.base import Action
 
 

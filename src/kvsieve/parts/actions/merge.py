@@ -26,10 +26,10 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import LayerStore, SideSpec
-from kvsieve.engine.plan import Plan
-from kvsieve.engine.step import MERGE_COUNT, LayerStep
+from kvsieve.core.plan import Plan
+from kvsieve.core.step import MERGE_COUNT, LayerStep
+from kvsieve.ops.rope import RotaryTable, rotate, unrotate
 from kvsieve.parts.actions.base import Action
-from kvsieve.scores.rope import RotaryTable, rotate, unrotate
 
 EPS = 1e-12
 

@@ -33,9 +33,9 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.budgets.adaptive import adaptive_counts
+from kvsieve.core.part import require_choice, require_number
+from kvsieve.ops.adaptive_counts import adaptive_counts
 from kvsieve.parts.allocators.base import Allocator
-from kvsieve.parts.base import require_choice, require_number
 
 
 @dataclass(frozen=True)

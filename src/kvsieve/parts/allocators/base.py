@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvsieve.parts.base import Part
+from kvsieve.core.part import Part
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 def ratio_budget(lengths: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -58,13 +58,13 @@ class Allocator(Part):
         return budget
 
     def nominal(
-        self, policy: Policy, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
+        self, spec: BudgetSpec, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
     ) -> torch.Tensor:
         """Per-head budget ``(batch, heads)`` of a layer holding ``lengths`` entries, before redistribution."""
-        if policy.budget is not None:
-            return torch.full_like(lengths, self.layer_budget(policy.budget, layer_idx, num_layers, window))
-        assert policy.ratio is not None
-        return ratio_budget(lengths, policy.ratio)
+        if spec.budget is not None:
+            return torch.full_like(lengths, self.layer_budget(spec.budget, layer_idx, num_layers, window))
+        assert spec.ratio is not None
+        return ratio_budget(lengths, spec.ratio)
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Entries kept per (batch, KV head): ``max(nominal, protected)``, never more than held.

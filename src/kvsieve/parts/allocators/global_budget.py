@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvsieve.budgets.adaptive import adaptive_counts
+from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.ops.adaptive_counts import adaptive_counts
 from kvsieve.parts.allocators.base import Allocator
-from kvsieve.parts.base import PolicyConfigError, require_int
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,17 @@ class GlobalBudget(Allocator):
     def validate(self) -> None:
         require_int(self.name, "floor", self.floor, 0)
 
-    def check(self, policy: Policy) -> None:
+    def check(self, spec: BudgetSpec) -> None:
         """Every head keeps its protected window *and* its floor, all out of the global ``L·H·budget``: the
         two together must fit one head's budget, or the total would exceed the global budget."""
-        if policy.budget is None:
+        if spec.budget is None:
             return
-        window = policy.scorer.protected_window() if policy.scorer is not None else 0
-        if window + self.floor > policy.budget:
+        window = spec.window
+        if window + self.floor > spec.budget:
             raise PolicyConfigError(
-                f"{policy.name}: window ({window}) + floor ({self.floor}) must not exceed budget ({policy.budget}): "
+                f"{spec.name}: window ({window}) + floor ({self.floor}) must not exceed budget ({spec.budget}): "
                 "every head keeps its window and its floor out of the global budget of L·H·budget entries; "
-                f"allowed floor range is [0, {max(policy.budget - window, 0)}]"
+                f"allowed floor range is [0, {max(spec.budget - window, 0)}]"
             )
 
     def allocate(self, scores: torch.Tensor, nominal: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

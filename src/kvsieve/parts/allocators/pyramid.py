@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvsieve.core.part import PolicyConfigError, require_bool, require_int
 from kvsieve.parts.allocators.base import Allocator
-from kvsieve.parts.base import PolicyConfigError, require_bool, require_int
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,18 @@ class Pyramid(Allocator):
         require_int(self.name, "beta", self.beta, 1)
         require_bool(self.name, "reference_regimes", self.reference_regimes)
 
-    def check(self, policy: Policy) -> None:
-        if policy.budget is None:
-            raise PolicyConfigError(f"{policy.name}: needs an absolute budget (int ≥ 1), not a ratio")
+    def check(self, spec: BudgetSpec) -> None:
+        if spec.budget is None:
+            raise PolicyConfigError(f"{spec.name}: needs an absolute budget (int ≥ 1), not a ratio")
 
     def nominal(
-        self, policy: Policy, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
+        self, spec: BudgetSpec, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
     ) -> torch.Tensor:
         """The layer's pyramid budget for rows of long prompts; all entries, or a uniform budget, for short ones."""
-        layered = super().nominal(policy, lengths, layer_idx, num_layers, window)
+        layered = super().nominal(spec, lengths, layer_idx, num_layers, window)
         if not self.reference_regimes:
             return layered
-        budget = policy.budget
+        budget = spec.budget
         assert budget is not None  # validated: the pyramid needs an absolute budget
         held = lengths.amax(dim=1, keepdim=True).expand_as(lengths)  # the row's prompt, per head
         uniform = torch.full_like(layered, budget)

@@ -16,7 +16,7 @@ import torch
 from kvsieve.parts.allocators.base import Allocator
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 def stage1_keep(lengths: torch.Tensor, budget: int) -> torch.Tensor:
@@ -37,7 +37,7 @@ class TwoStageSplit(Allocator):
     SCHEDULES: ClassVar[tuple[str, ...]] = ("prefill",)
 
     def nominal(
-        self, policy: Policy, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
+        self, spec: BudgetSpec, lengths: torch.Tensor, layer_idx: int, num_layers: int, window: int
     ) -> torch.Tensor:
-        assert policy.budget is not None
-        return stage1_keep(lengths, policy.budget)
+        assert spec.budget is not None
+        return stage1_keep(lengths, spec.budget)

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import Part, PolicyConfigError
+from kvsieve.core.part import Part, PolicyConfigError
+from kvsieve.core.step import LayerStep
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 ALL_SCHEDULES = ("prefill", "decode", "blockwise")
 
@@ -43,7 +43,7 @@ class Scorer(Part):
     kind: ClassVar[str] = "scorer"
     #: Schedules the score makes sense under (SnapKV's window is the prompt's: no ``decode``).
     SCHEDULES: ClassVar[tuple[str, ...]] = ("prefill", "blockwise")
-    #: Statistics read from the :class:`LayerStep` (see :data:`kvsieve.engine.step.STATISTICS`).
+    #: Statistics read from the :class:`LayerStep` (see :data:`kvsieve.core.step.STATISTICS`).
     NEEDS: ClassVar[frozenset[str]] = frozenset()
     #: Per-entry side data kept in the cache.
     SIDE: ClassVar[tuple[SideSpec, ...]] = ()
@@ -61,12 +61,12 @@ class Scorer(Part):
         """Newest entries always kept (the observation window; 0 when the method has none)."""
         return int(getattr(self, "window", 0) or 0)
 
-    def check(self, policy: Policy) -> None:
+    def check(self, spec: BudgetSpec) -> None:
         window = self.protected_window()
-        if policy.budget is not None and window > policy.budget:
+        if spec.budget is not None and window > spec.budget:
             raise PolicyConfigError(
-                f"{policy.name}: window ({window}) must not exceed budget ({policy.budget}); "
-                f"allowed window range is [0, {policy.budget}]"
+                f"{spec.name}: window ({window}) must not exceed budget ({spec.budget}); "
+                f"allowed window range is [0, {spec.budget}]"
             )
 
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_bool
+from kvsieve.core.part import PolicyConfigError, require_bool
+from kvsieve.core.step import LayerStep
+from kvsieve.ops.reconstruction import caote_meta_scores
 from kvsieve.parts.scorers.base import Scorer
-from kvsieve.scores.reconstruction import caote_meta_scores
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Caote(Scorer):
     def protected_window(self) -> int:
         return self._base.protected_window()
 
-    def check(self, policy: Policy) -> None:
-        self._base.check(policy)
+    def check(self, spec: BudgetSpec) -> None:
+        self._base.check(spec)
 
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
         return self._base.observe(step)

@@ -32,11 +32,11 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.engine.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_int
+from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.core.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
+from kvsieve.ops.gqa import reduce_groups
+from kvsieve.ops.pooling import pool_scores
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
-from kvsieve.scores.gqa import reduce_groups
-from kvsieve.scores.pooling import pool_scores
 
 GLOBAL = "ems_global"
 LOCAL_PAST = "ems_local_past"

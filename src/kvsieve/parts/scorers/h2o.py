@@ -15,10 +15,10 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.engine.step import COLUMN_SUMS, LayerStep
-from kvsieve.parts.base import require_number
+from kvsieve.core.part import require_number
+from kvsieve.core.step import COLUMN_SUMS, LayerStep
+from kvsieve.ops.gqa import reduce_groups
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer, protect_recent
-from kvsieve.scores.gqa import reduce_groups
 
 ACCUMULATOR = "h2o_acc"
 

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import require_int
+from kvsieve.core.part import require_int
+from kvsieve.core.step import LayerStep
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 

@@ -25,7 +25,7 @@ entries left out, no renormalisation) and ``s_j = a_j / (1 - a_j) · ‖(o - v_j
    (``kernel_size=1``) is 1 — no smoothing — unless the important entries drift by ≥ β tokens, which
    made ReST-KV worse than SnapKV on the default model (``docs/results/issue3``). Eq. 12's shift is
    rounded towards zero (the authors' code applies the printed ``⌊x⌋ + 1`` for ``x ≤ 0``, i.e. γ = 1 when
-   nothing drifted; see :func:`kvsieve.scores.smoothing.adaptive_window`); the edges are zero padded
+   nothing drifted; see :func:`kvsieve.ops.smoothing.adaptive_window`); the edges are zero padded
    (the authors' code repeats the edge value). ΔD comes from each query's indicator (``before``) or its
    attention row (``after``, as the authors' code does in both modes).
    ``adaptive_smoothing=False`` uses SnapKV's avgpool with ``kernel_size`` (Table 16 "Avgpool";
@@ -47,13 +47,13 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_bool, require_choice, require_int, require_number
+from kvsieve.core.part import PolicyConfigError, require_bool, require_choice, require_int, require_number
+from kvsieve.core.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
+from kvsieve.ops.gqa import reduce_groups
+from kvsieve.ops.pooling import pool_scores
+from kvsieve.ops.reconstruction import output_gram, restkv_indicator, vatp_indicator
+from kvsieve.ops.smoothing import adaptive_spatial_smoothing, ema_over_window, mean_over_window
 from kvsieve.parts.scorers.base import Scorer
-from kvsieve.scores.gqa import reduce_groups
-from kvsieve.scores.pooling import pool_scores
-from kvsieve.scores.reconstruction import output_gram, restkv_indicator, vatp_indicator
-from kvsieve.scores.smoothing import adaptive_spatial_smoothing, ema_over_window, mean_over_window
 
 INDICATORS = ("restkv", "vatp", "attention")
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.engine.step import LAYER_INPUTS, LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_choice, require_int
+from kvsieve.core.part import PolicyConfigError, require_choice, require_int
+from kvsieve.core.step import LAYER_INPUTS, LayerStep
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 if TYPE_CHECKING:

@@ -13,10 +13,30 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.step import WINDOW_ROWS, LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_choice, require_int
+from kvsieve.core.part import PolicyConfigError, require_choice, require_int
+from kvsieve.core.step import WINDOW_ROWS, LayerStep
+from kvsieve.ops.gqa import reduce_groups
+from kvsieve.ops.pooling import pool_scores
 from kvsieve.parts.scorers.base import Scorer
-from kvsieve.scores.window import window_scores
+
+
+def window_scores(
+    step: LayerStep, window: int, kernel_size: int, pooling: str, reduce: str = "mean"
+) -> torch.Tensor:
+    """SnapKV scores ``(batch, kv_heads, L)``: window attention summed over the window queries,
+    pooled along the sequence, reduced over each GQA group.
+
+    As in the reference code (``attn[..., -w:, :-w].sum(-2)`` then pooling), only the prefix votes are
+    pooled: the window's own entries get 0 before pooling, so their large self-attention does not leak
+    into the neighbouring prefix scores (the caller protects the window anyway).
+    """
+    rows = step.window_rows(max(window, 1))
+    summed = rows.sum(dim=2)
+    first_window_position = step.query_positions[-rows.shape[2]]
+    in_window = (step.view.positions >= first_window_position).repeat_interleave(step.groups, dim=1)
+    summed = summed.masked_fill(in_window, 0.0)
+    pooled = pool_scores(summed, kernel_size, pooling)
+    return reduce_groups(pooled, step.kv_heads, reduce)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.scorers.snapkv import WindowAttention
-from kvsieve.scores.window import window_scores
+from kvsieve.core.step import LayerStep
+from kvsieve.parts.scorers.snapkv import WindowAttention, window_scores
 
 
 @dataclass(frozen=True)

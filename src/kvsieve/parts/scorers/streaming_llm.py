@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import PolicyConfigError, require_int
+from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.core.step import LayerStep
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,11 @@ class Sinks(Scorer):
     def validate(self) -> None:
         require_int(self.name, "sinks", self.sinks, 0)
 
-    def check(self, policy: Policy) -> None:
-        if policy.budget is not None and self.sinks > policy.budget:
+    def check(self, spec: BudgetSpec) -> None:
+        if spec.budget is not None and self.sinks > spec.budget:
             raise PolicyConfigError(
-                f"{policy.name}: sinks ({self.sinks}) must not exceed budget ({policy.budget}); "
-                f"the streaming_llm score keeps {self.sinks} attention sinks: pass sinks=... ≤ {policy.budget} "
+                f"{spec.name}: sinks ({self.sinks}) must not exceed budget ({spec.budget}); "
+                f"the streaming_llm score keeps {self.sinks} attention sinks: pass sinks=... ≤ {spec.budget} "
                 "or a larger budget"
             )
 

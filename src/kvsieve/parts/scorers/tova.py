@@ -16,10 +16,10 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.engine.step import WINDOW_ROWS, LayerStep
-from kvsieve.parts.base import require_choice
+from kvsieve.core.part import require_choice
+from kvsieve.core.step import WINDOW_ROWS, LayerStep
+from kvsieve.ops.gqa import reduce_groups
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
-from kvsieve.scores.gqa import reduce_groups
 
 
 @dataclass(frozen=True)

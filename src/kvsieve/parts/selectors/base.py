@@ -14,8 +14,9 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import Part
+from kvsieve.core.part import Part
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LayerStep
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,3 @@ class Selector(Part):
         """Indices ``(batch, q_heads, k)`` into the dense view's entries (or a :class:`Selection` that also
         mixes the output with a fallback); None: attend to every entry."""
         raise NotImplementedError(f"{type(self).__name__} must implement select()")
-
-
-@dataclass
-class Selection:
-    """A subset plus an output mix: ``weight · attn(subset) + (1 − weight) · fallback`` (SparQ's mean value).
-
-    ``indices`` ``(batch, q_heads, k)`` as :meth:`Selector.select` returns them; ``weight``
-    ``(batch, q_heads)`` and ``fallback`` ``(batch, q_heads, d)``.
-    """
-
-    indices: torch.Tensor
-    weight: torch.Tensor
-    fallback: torch.Tensor

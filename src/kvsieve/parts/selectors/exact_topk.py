@@ -11,11 +11,11 @@ from typing import ClassVar
 
 import torch
 
+from kvsieve.cache.selection_state import SelectionState, kv_entry_bytes, record_if_measured
 from kvsieve.cache.store import StoreHook
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import require_int
+from kvsieve.core.part import require_int
+from kvsieve.core.step import LayerStep
 from kvsieve.parts.selectors.base import Selector
-from kvsieve.parts.selectors.sparse import SelectionState, kv_entry_bytes, record_if_measured
 
 
 @dataclass(frozen=True)

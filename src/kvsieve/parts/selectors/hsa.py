@@ -32,19 +32,16 @@ import torch
 
 from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
+from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
 from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import require_bool, require_int
+from kvsieve.core.part import require_bool, require_int
+from kvsieve.core.step import LayerStep
 from kvsieve.parts.selectors.base import Selector
 from kvsieve.parts.selectors.sparse import (
-    SelectionState,
     grouped_query,
-    hook_of,
-    kv_entry_bytes,
     page_valid,
     per_query_head,
     split_budget,
-    state_of,
     top_tokens_of_pages,
 )
 

@@ -32,20 +32,14 @@ from typing import ClassVar
 
 import torch
 
+from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
 from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.cache.value_mean import ValueSum
-from kvsieve.engine.step import LayerStep
-from kvsieve.parts.base import require_int
-from kvsieve.parts.selectors.base import Selection, Selector
-from kvsieve.parts.selectors.sparse import (
-    SelectionState,
-    grouped_query,
-    hook_of,
-    kv_entry_bytes,
-    per_query_head,
-    split_budget,
-    state_of,
-)
+from kvsieve.core.part import require_int
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LayerStep
+from kvsieve.parts.selectors.base import Selector
+from kvsieve.parts.selectors.sparse import grouped_query, per_query_head, split_budget
 
 
 @dataclass(frozen=True)

@@ -17,66 +17,6 @@ import math
 
 import torch
 
-from kvsieve.cache.store import LayerStore, StoreHook
-
-
-class SelectionState(StoreHook):
-    """Per-store state of a selector: its configuration for the current prompt and the traffic it measured.
-
-    ``dirty`` is set by a prompt (an append of more than one entry per segment) or a layout change
-    (compaction, batch reorder); the selector then derives its configuration (page size, dimensions)
-    from what the store holds at the first decoding step — the paper fixes them per input length.
-    """
-
-    def __init__(self) -> None:
-        self.dirty = True
-        self.config: dict[str, int] = {}
-        #: Bytes read by the selector's decoding steps (int or a 0-dim tensor: no host sync).
-        self.read_bytes: int | torch.Tensor = 0
-        #: Bytes full attention would have read at the same steps (every held key and value).
-        self.full_bytes = 0
-        self.steps = 0
-
-    def after_append(self, store: LayerStore, rows: torch.Tensor | None, count: int) -> None:
-        if count > 1:
-            self.dirty = True
-
-    def after_layout(self, store: LayerStore) -> None:
-        self.dirty = True
-
-    def record(self, store: LayerStore, read: int | torch.Tensor) -> None:
-        """One decoding step read ``read`` bytes; full attention would have read every held key and value."""
-        self.read_bytes = self.read_bytes + read
-        self.full_bytes += store.total_entries() * kv_entry_bytes(store)
-        self.steps += 1
-
-
-def state_of(store: LayerStore) -> SelectionState:
-    for hook in store.hooks:
-        if isinstance(hook, SelectionState):
-            return hook
-    raise RuntimeError("the store has no SelectionState hook (the selector's hooks() were not installed)")
-
-
-def record_if_measured(store: LayerStore, read: int | torch.Tensor) -> None:
-    """Add ``read`` bytes to the store's :class:`SelectionState` if it has one (a bare store has none)."""
-    for hook in store.hooks:
-        if isinstance(hook, SelectionState):
-            hook.record(store, read)
-            return
-
-
-def hook_of(store: LayerStore, kind: type[StoreHook]) -> StoreHook:
-    for hook in store.hooks:
-        if type(hook) is kind:
-            return hook
-    raise RuntimeError(f"the store has no {kind.__name__} hook (the selector's hooks() were not installed)")
-
-
-def kv_entry_bytes(store: LayerStore) -> int:
-    """Bytes of one key + value."""
-    return (store.keys.element_size() + store.values.element_size()) * store.head_dim
-
 
 def split_budget(budget: int) -> int:
     """Tokens given exact attention: half the token budget (the other half pays for the approximation)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvsieve.cache.kv_cache import KVCache
+from kvsieve.engine.kv_cache import KVCache
 from kvsieve.transformers_adapter import cache_kwargs
 
 

@@ -10,7 +10,7 @@ def top_entries(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
     ``scores`` is ``(batch, kv_heads, L)`` (``-inf`` on padding slots), ``counts`` ``(batch, kv_heads)``
     with ``counts ≤`` the valid entries of each head; ``K = max(counts)``. Entries past ``counts`` in a
-    row are filler (``L``) and are ignored by :meth:`RaggedLayerStore.keep`.
+    row are filler (``L``) and are ignored by :meth:`LayerStore.keep`.
     """
     batch, heads, length = scores.shape
     flat = scores.reshape(batch * heads, length)

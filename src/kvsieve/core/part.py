@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from kvsieve.policies.policy import Policy
+    from kvsieve.core.budget import BudgetSpec
 
 
 class PolicyConfigError(ValueError):
@@ -77,7 +77,7 @@ class Part:
     def validate(self) -> None:
         """Check this part's own fields; raise :class:`PolicyConfigError` naming the field and its range."""
 
-    def check(self, policy: Policy) -> None:
+    def check(self, spec: BudgetSpec) -> None:
         """Check what depends on the rest of ``policy`` (budget, other parts)."""
 
     def params(self) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.engine.engine import Engine
 from kvsieve.engine.layer_inputs import install_layer_input_hooks
 from kvsieve.models.architectures import ModelInfo, model_info
-from kvsieve.parts.selectors.sparse import SelectionState
 from kvsieve.policies.policy import Policy
 from kvsieve.policies.presets import make_policy
 from kvsieve.transformers_adapter import Cache, CacheLayerMixin
@@ -365,17 +364,18 @@ class KVCache(Cache):
         }
 
     def traffic(self) -> dict[str, float]:
-        """KV bytes read at decoding, measured by the selector on every managed layer (``SelectionState``):
+        """KV bytes read at decoding, measured by the selector's store hooks on every managed layer:
         ``read_bytes`` (keys, values, page min/max, mean values actually read), ``full_bytes`` (every held
         key and value at the same steps: what full attention reads), their ratio, and ``steps`` (decoding
         steps × layers measured). Layers without a selector are not counted (they read everything)."""
         read, full, steps = 0.0, 0, 0
         for layer in self.layers:
             for hook in layer.store.hooks if layer.store is not None else ():
-                if isinstance(hook, SelectionState):
-                    read += float(hook.read_bytes)
-                    full += hook.full_bytes
-                    steps += hook.steps
+                measured = hook.traffic()
+                if measured is not None:
+                    read += float(measured[0])
+                    full += measured[1]
+                    steps += measured[2]
         return {"read_bytes": read, "full_bytes": float(full), "ratio": read / full if full else 1.0,
                 "steps": float(steps)}
 

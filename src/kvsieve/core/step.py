@@ -210,8 +210,3 @@ class LayerStep:
             raise RuntimeError("layer inputs were not captured for this forward (see kvsieve.engine.layer_inputs)")
         return self.layer_inputs
 
-
-def log_count(counts: torch.Tensor) -> torch.Tensor:
-    """``log(count)``: the logit bias that makes one entry count as ``count`` identical tokens."""
-    return counts.float().clamp(min=1.0).log() if counts.numel() else counts.float()
-
