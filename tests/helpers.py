@@ -133,9 +133,7 @@ def random_gates(model: torch.nn.Module, tied: bool = True, seed: int = 0):
 def with_test_gates(model: torch.nn.Module, policy, params: dict) -> dict:
     """``params`` plus random gates when ``policy`` names a learned-retention preset without ``gates=``."""
     from kvsieve.parts.scorers.retention import RetentionGate
-    from kvsieve.policies.presets import PRESETS
-
-    preset = PRESETS.get(policy) if isinstance(policy, str) else None
-    if preset is None or preset.scorer is not RetentionGate or "gates" in params:
+    preset = kvsieve.list_policies().get(policy) if isinstance(policy, str) else None
+    if preset is None or not isinstance(preset.scorer, RetentionGate) or "gates" in params:
         return params
     return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv", seed=0)}

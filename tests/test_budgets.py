@@ -12,7 +12,8 @@ from conftest import GEMMA3_SLIDING_WINDOW
 from helpers import all_kept_positions, decode_loop, managed_layers, prompt, reference_cache, sliding_layers
 
 import kvsieve
-from kvsieve.parts import Adaptive, Pyramid
+from kvsieve.parts.allocators.adaptive import Adaptive
+from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.transformers_adapter import cache_kwargs
 
 PROMPT_LEN, BUDGET = 24, 8

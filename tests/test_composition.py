@@ -17,9 +17,10 @@ from helpers import prompt
 import kvsieve
 from kvsieve import PolicyConfigError
 from kvsieve.gates.retention import GateConfig, RetentionGates
-from kvsieve.parts.actions import ACTIONS
-from kvsieve.parts.scorers import SCORERS, RetentionGate
-from kvsieve.parts.selectors import SELECTORS
+from kvsieve.parts.scorers.caote import Caote
+from kvsieve.parts.scorers.retention import RetentionGate
+from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.policies.catalog import parts
 
 BUDGET, PROMPT, STEPS = 24, 48, 3
 
@@ -29,10 +30,20 @@ def model():
     return build_model("llama")
 
 
+def _builtin(kind: str) -> dict:
+    """kvsieve's own parts (tests register parts of their own)."""
+    return {n: c for n, c in parts(kind).items() if c.__module__.startswith("kvsieve.")}
+
+
+ACTIONS, SCORERS, SELECTORS = _builtin("action"), _builtin("scorer"), _builtin("selector")
+
+
 def _scorer(name: str, model):
     if SCORERS[name] is RetentionGate:
         return RetentionGate(gates=RetentionGates(GateConfig.for_model(model), seed=0), window=4)
     cls = SCORERS[name]
+    if cls is Caote:  # a correction over a base scorer
+        return Caote(base=WindowAttention(window=4))
     return cls(window=4) if "window" in cls.__dataclass_fields__ else cls()
 
 

@@ -16,9 +16,10 @@ from kvsieve.attention.kernel import attend, output_mask
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import MERGE_COUNT
 from kvsieve.ops.rope import UnsupportedRotaryError, rotary_table, rotate, unrotate
-from kvsieve.parts import Evict, Merge
+from kvsieve.parts.actions.base import Evict
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
 from kvsieve.parts.actions.evict_merge_pos import POSITION_TABLE, EvictThenMergePos
+from kvsieve.parts.actions.merge import Merge
 from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, LOCAL_ROWS, GlobalLocal, global_local
 from kvsieve.policies import Policy, make_policy
 from kvsieve.transformers_adapter import cache_kwargs

@@ -48,13 +48,19 @@ LEGACY_PARAMS: dict[str, dict[str, Any]] = {
     "pyramid_restkv": {"reference_regimes": False},
 }
 
+DROP = object()
+
 #: Per-case overrides in the same spirit, applied after :data:`LEGACY_PARAMS`. Keys, from the least to the
 #: most specific: ``"<case id>"``, ``"<case id>#<member>"``, ``"<arch>/<case id>"``,
 #: ``"<arch>/<case id>#<member>"`` (``member`` is the index in the case's ``members``; 0 for a
 #: single-cache case). A value of :data:`DROP` removes the recorded parameter.
 CASE_OVERRIDES: dict[str, dict[str, Any]] = {
-    "adakv-base_tova": {"heads": "group"},
-    "variant-pad-adakv-base_tova": {"heads": "group"},
+    # kvsieve ≤ 0.1's make_policy silently dropped adakv's ``window`` over a base scorer without one; the
+    # routing now refuses a parameter no part declares, so the replay drops it as the old code did.
+    **{f"{prefix}adakv-base_{base}": {"window": DROP} for prefix in ("", "variant-pad-")
+       for base in ("h2o", "streaming_llm", "h2o_caote")},
+    "adakv-base_tova": {"heads": "group", "window": DROP},
+    "variant-pad-adakv-base_tova": {"heads": "group", "window": DROP},
     # ReST-KV Eq. 11: the authors' max(k, 2⌊|ΔD|/β⌋ + 1) is now the default; kvsieve ≤ 0.1 used k + 2⌊|ΔD|/β⌋.
     # They differ only when |ΔD| ≥ β, which these tiny-β variants reach.
     "restkv-beta1": {"width_rule": "sum"},
@@ -73,7 +79,6 @@ NUMERICAL_NEAR_TIES: dict[str, str] = {
     "phi3/prefill-pad-exact_topk": "k-th q·k near-tie in one head of a decoding step",
 }
 
-DROP = object()
 
 
 def replay_params(arch: str, case: dict[str, Any], member: int, policy: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -184,7 +184,7 @@ def test_topk_attention_matches_manual_selection(padded):
     from kvsieve.cache.store import LayerStore
     from kvsieve.core.step import LayerStep
     from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
-    from kvsieve.parts import ExactTopK
+    from kvsieve.parts.selectors.exact_topk import ExactTopK
 
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, groups, length, dim, k = 2, 2, 2, 11, 8, 3

@@ -19,16 +19,14 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.core.plan import Plan
 from kvsieve.core.step import LAYER_INPUTS, MERGE_COUNT, LayerStep
 from kvsieve.models.architectures import architecture_of, decoder_layers
-from kvsieve.parts import (
-    Adaptive,
-    GlobalBudget,
-    LastQueryAttention,
-    Merge,
-    OutputReconstruction,
-    Pyramid,
-    Scorer,
-    WindowAttention,
-)
+from kvsieve.parts.actions.merge import Merge
+from kvsieve.parts.allocators.adaptive import Adaptive
+from kvsieve.parts.allocators.global_budget import GlobalBudget
+from kvsieve.parts.allocators.pyramid import Pyramid
+from kvsieve.parts.scorers.base import Scorer
+from kvsieve.parts.scorers.restkv import OutputReconstruction
+from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.parts.scorers.tova import LastQueryAttention
 from kvsieve.policies import Policy, make_policy
 from kvsieve.transformers_adapter import cache_kwargs
 

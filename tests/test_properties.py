@@ -54,7 +54,8 @@ from transformers import DynamicCache, StaticCache
 
 import kvsieve
 from kvsieve.core.part import PolicyConfigError
-from kvsieve.parts.allocators import Adaptive, GlobalBudget
+from kvsieve.parts.allocators.adaptive import Adaptive
+from kvsieve.parts.allocators.global_budget import GlobalBudget
 from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
 from kvsieve.transformers_adapter import cache_kwargs
@@ -90,8 +91,9 @@ def policies(draw: st.DrawFn, name: str) -> tuple[str, dict[str, Any], kvsieve.P
     params: dict[str, Any] = {}
     if name == "adakv":
         params["base"] = draw(st.sampled_from(ADAKV_BASES))
-    accepted = preset.parameters(params.get("base"))
-    evicts = preset.scorer is not None or preset.base_param
+    base = kvsieve.list_policies()[params["base"]].scorer if "base" in params else None
+    accepted = preset.parameters(**({"scorer": base} if base is not None else {}))
+    evicts = preset.scorer is not None
     if evicts or preset.selector is not None:
         if evicts and draw(st.integers(0, 3)) == 0:
             params["ratio"] = draw(st.integers(0, 99)) / 100  # a decimal ratio
@@ -110,7 +112,7 @@ def policies(draw: st.DrawFn, name: str) -> tuple[str, dict[str, Any], kvsieve.P
     if "pooling" in accepted and draw(st.booleans()):
         params["pooling"] = draw(st.sampled_from(["avgpool", "maxpool"]))
         params["kernel_size"] = draw(st.sampled_from([1, 3, 5, 7]))
-    if "floor" in accepted and isinstance(preset.allocator, type) and issubclass(preset.allocator, GlobalBudget):
+    if "floor" in accepted and isinstance(preset.allocator, GlobalBudget):
         params["floor"] = draw(st.integers(0, 2))  # entries per head before the global ranking
     elif "floor" in accepted:
         params["floor"] = draw(st.sampled_from(["outside_window", "budget"]))

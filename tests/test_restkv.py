@@ -26,7 +26,7 @@ from kvsieve.ops.smoothing import (
     shifted_window_mean,
     top_index_mean,
 )
-from kvsieve.parts import OutputReconstruction
+from kvsieve.parts.scorers.restkv import OutputReconstruction
 from kvsieve.transformers_adapter import cache_kwargs
 
 BATCH, Q_HEADS, KV_HEADS, D, HIDDEN = 2, 4, 2, 8, 12

@@ -37,8 +37,9 @@ from helpers import left_pad, prompt, with_test_gates
 import kvsieve
 from kvsieve.core.part import PolicyConfigError
 from kvsieve.parts.actions.base import Action
-from kvsieve.parts.allocators import Adaptive
-from kvsieve.parts.scorers import Caote, RandomScores
+from kvsieve.parts.allocators.adaptive import Adaptive
+from kvsieve.parts.scorers.caote import Caote
+from kvsieve.parts.scorers.random import RandomScores
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
@@ -309,7 +310,7 @@ def single_token_row_with_an_empty_layer_budget(policy: kvsieve.Policy, lengths:
 
 
 def sparse_selector_sized_by_the_longest_row(policy: kvsieve.Policy, lengths: list[int], program: Program) -> bool:
-    from kvsieve.parts.selectors import ExactTopK
+    from kvsieve.parts.selectors.exact_topk import ExactTopK
 
     if policy.selector is None or isinstance(policy.selector, ExactTopK) or len(set(lengths)) < 2:
         return False

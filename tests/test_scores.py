@@ -12,8 +12,11 @@ import kvsieve
 from kvsieve.cache.store import LayerStore, SideSpec
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
-from kvsieve.parts import AccumulatedAttention, LastQueryAttention, Scorer, Sinks, WindowAttention
-from kvsieve.parts.scorers.h2o import ACCUMULATOR
+from kvsieve.parts.scorers.base import Scorer
+from kvsieve.parts.scorers.h2o import ACCUMULATOR, AccumulatedAttention
+from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.parts.scorers.streaming_llm import Sinks
+from kvsieve.parts.scorers.tova import LastQueryAttention
 
 BATCH, Q_HEADS, KV_HEADS, N, D = 2, 4, 2, 20, 8
 GROUPS = Q_HEADS // KV_HEADS

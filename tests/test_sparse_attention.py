@@ -25,11 +25,11 @@ from kvsieve.core.part import PolicyConfigError
 from kvsieve.core.selection import Selection
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
-from kvsieve.parts import ExactTopK
 from kvsieve.parts.allocators.two_stage import stage1_keep
-from kvsieve.parts.selectors import HybridSparse, Quest, SparQ
-from kvsieve.parts.selectors.hsa import hsa_shape
-from kvsieve.parts.selectors.quest import page_upper_bounds
+from kvsieve.parts.selectors.exact_topk import ExactTopK
+from kvsieve.parts.selectors.hsa import HybridSparse, hsa_shape
+from kvsieve.parts.selectors.quest import Quest, page_upper_bounds
+from kvsieve.parts.selectors.sparq import SparQ
 from kvsieve.parts.selectors.sparse import page_valid, rocket_split
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -246,7 +246,7 @@ def test_member_pages_stay_exact_after_marks_and_appends(padded):
     store.ensure_side(STAGE1_KEEP)
     store.add_hook(hook)
     from kvsieve.core.plan import Plan
-    from kvsieve.parts.actions import Mark
+    from kvsieve.parts.actions.mark import Mark
 
     keep = torch.tensor(
         [[0, 2, 3, 7, 9, 11, 12], [5, 6, 8, 10, 13, 14, 0], [1, 2, 3, 4, 5, 6, 7], [6, 7, 9, 10, 0, 0, 0]]

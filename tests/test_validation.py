@@ -46,7 +46,7 @@ BAD_PARAMS = [
     pytest.param("exact_topk", {"ratio": 0.5}, "budget", id="exact-topk-ratio"),
     pytest.param("adakv", {"budget": 8, "window": 4, "alpha": 1.5}, "alpha", id="adakv-alpha"),
     pytest.param("adakv", {"budget": 8, "window": 4, "base": "full"}, "base", id="adakv-base-full"),
-    pytest.param("adakv", {"budget": 8, "window": 4, "base": "adakv"}, "base", id="adakv-base-self"),
+    pytest.param("adakv", {"budget": 8, "base": "quest"}, "base", id="adakv-base-without-a-scorer"),
 ]
 
 
@@ -138,7 +138,7 @@ def test_policy_object_is_accepted(model):
 
 
 def test_policy_objects_validate_on_construction():
-    from kvsieve.parts import WindowAttention
+    from kvsieve.parts.scorers.snapkv import WindowAttention
 
     with pytest.raises(PolicyConfigError):
         kvsieve.make_policy("snapkv", budget=8, window=9)
@@ -385,8 +385,8 @@ def test_global_floor_never_breaks_the_global_budget(floor):
 def test_a_part_objects_settings_survive_other_parameters_of_that_part():
     """Parameters of a part given as an object apply to that object (was: the object was rebuilt from
     defaults, so ``alpha=0.5`` became 0.2 and ``gamma=2.0`` became 4.0)."""
-    from kvsieve.parts import Adaptive
-    from kvsieve.parts.actions import EvictThenMerge
+    from kvsieve.parts.actions.evict_merge import EvictThenMerge
+    from kvsieve.parts.allocators.adaptive import Adaptive
 
     policy = kvsieve.make_policy("snapkv", budget=64, allocator=Adaptive(alpha=0.5), floor="budget")
     assert policy.allocator == Adaptive(alpha=0.5, floor="budget")

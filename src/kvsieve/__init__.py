@@ -5,6 +5,7 @@ model instance to the ``"kvsieve"`` attention (the model's own attention when no
 """
 
 from kvsieve.attention.register import prepare_model, register_attention
+from kvsieve.core.preset import Preset
 from kvsieve.engine.kv_cache import KVCache
 from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.generation import (
@@ -17,7 +18,15 @@ from kvsieve.generation import (
 )
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError, check_config
 from kvsieve.models.loading import ModelNotFoundError, TokenizerNotFoundError
-from kvsieve.policies import Policy, PolicyConfigError, UnknownPolicyError, list_policies, make_policy
+from kvsieve.policies import (
+    Policy,
+    PolicyConfigError,
+    UnknownPolicyError,
+    list_policies,
+    make_policy,
+    register_preset,
+    unregister_preset,
+)
 from kvsieve.transformers_adapter import cache_kwargs
 
 __version__ = "0.1.0"
@@ -47,6 +56,7 @@ __all__ = [
     "ModelNotFoundError",
     "Policy",
     "PolicyConfigError",
+    "Preset",
     "SavedContextError",
     "TokenizerNotFoundError",
     "UnknownPolicyError",
@@ -62,4 +72,6 @@ __all__ = [
     "prefill_shared",
     "prepare_model",
     "register_attention",
+    "register_preset",
+    "unregister_preset",
 ]

@@ -24,35 +24,27 @@ def _csv(kind: type, name: str):  # type: ignore[no-untyped-def]
 def _cmd_list(_: argparse.Namespace) -> int:
     from dataclasses import MISSING, fields
 
-    from kvsieve.parts import ACTIONS, ALLOCATORS, SCHEDULES, SCORERS, SELECTORS
+    from kvsieve.core.part import PART_KINDS
+    from kvsieve.policies.catalog import parts
     from kvsieve.policies.presets import make_policy
 
     print("Presets (a named method = parts; any parameter below can be passed to KVCache(model, name, ...)):")
     for name, entry in list_policies().items():
         try:
-            example = make_policy(name, budget=64) if entry.scorer or entry.selector or entry.base_param else None
+            example = make_policy(name, budget=64) if entry.needs_budget else make_policy(name)
         except ValueError:
             example = None
-        parts = []
-        if entry.scorer is not None or entry.base_param:
-            scorer = "base score (snapkv)" if entry.base_param else entry.scorer.name  # type: ignore[union-attr]
-            wrapped = f"{'fast' if entry.caote else ''}caote({scorer})" if entry.caote is not None else scorer
-            parts.append(f"scorer={wrapped}")
-        parts.append(f"allocator={entry.allocator.name}")
-        if entry.selector is not None:
-            parts.append(f"selector={entry.selector.name}")
-        kind = "evicts" if entry.scorer is not None or entry.base_param else "keeps all entries"
-        if entry.action == "mark":  # rocketkv_mt: the scorer marks, nothing is deleted
-            kind = "keeps all entries"
+        described = [f"{kind}={part}" for kind, part in entry.parts().items() if part is not None]
+        described += [f"{alias}: another {kind}" for alias, kind in entry.aliases.items()]
+        kind = "evicts" if entry.deletes else "keeps all entries"
         schedules = ", ".join(example.schedules()) if example is not None else "prefill, decode, blockwise"
         print(f"  {name:<16} {entry.summary}")
-        print(f"  {'':<16} [{kind}; {'; '.join(parts)}; schedules: {schedules}]")
+        print(f"  {'':<16} [{kind}; {'; '.join(described) or 'no parts'}; schedules: {schedules}]")
         print(f"  {'':<16} parameters: {', '.join(entry.parameters())}")
     print("\nParts (combine freely: KVCache(model, 'restkv', budget=256, allocator='adaptive'), or pass objects):")
-    for kind, table in (("scorers", SCORERS), ("allocators", ALLOCATORS), ("actions", ACTIONS),
-                        ("selectors", SELECTORS), ("schedules", SCHEDULES)):
-        print(f"  {kind}:")
-        for name, cls in table.items():
+    for kind in PART_KINDS:
+        print(f"  {kind}s:")
+        for name, cls in parts(kind).items():
             params = []
             for f in fields(cls):
                 default = f.default if f.default is not MISSING else "required"

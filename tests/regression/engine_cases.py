@@ -117,7 +117,7 @@ def fit_params(name: str, **params: Any) -> dict[str, Any]:
     Keys the policy does not accept are dropped; policies that need no budget (``full``) get none.
     """
     preset = kvsieve.list_policies()[name]
-    needs_budget = preset.scorer is not None or preset.selector is not None or preset.base_param
+    needs_budget = preset.needs_budget
     accepted = policy_fields(name)
     out: dict[str, Any] = {}
     if needs_budget and "ratio" not in params:

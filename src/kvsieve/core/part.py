@@ -1,4 +1,4 @@
-"""The five kinds of part a policy composes, and the checks every part uses.
+"""The five kinds of part a policy composes, the checks every part uses, and the registry of parts.
 
 A policy (:class:`kvsieve.policies.policy.Policy`) is a *scorer* (which entries matter), an *allocator*
 (how many each layer/head keeps), an *action* (what happens to the rest: evict, merge), an optional
@@ -6,6 +6,10 @@ A policy (:class:`kvsieve.policies.policy.Policy`) is a *scorer* (which entries 
 fires). Each part is a small frozen dataclass whose fields are its paper's hyper-parameters with the
 paper's defaults; it validates its own fields on construction, and :meth:`Part.check` validates what
 depends on the rest of the policy (e.g. a window no larger than the budget) before any work is done.
+
+**Parts register themselves**: a subclass that sets its own ``name`` is recorded under ``(kind, name)``
+when its class statement runs (``__init_subclass__``), so a new method is one file — the name works in
+``allocator="adaptive"``, ``scorer="snapkv"`` and ``kvsieve list`` without any list to edit.
 """
 
 from __future__ import annotations
@@ -60,6 +64,20 @@ def require_choice(owner: str, name: str, value: object, choices: tuple[str, ...
         raise PolicyConfigError(f"{owner}: {name} must be one of {choices}; got {value!r}")
 
 
+#: The kinds of part, in the order parameters are routed to them (see :mod:`kvsieve.policies.presets`).
+PART_KINDS = ("scorer", "allocator", "action", "selector", "schedule")
+
+_REGISTRY: dict[str, dict[str, type[Part]]] = {kind: {} for kind in PART_KINDS}
+
+
+def registered_parts(kind: str) -> dict[str, type[Part]]:
+    """Every part class of ``kind`` registered so far, by name (see :mod:`kvsieve.policies.catalog`, which
+    first imports every module of :mod:`kvsieve.parts`)."""
+    if kind not in _REGISTRY:
+        raise PolicyConfigError(f"kind must be one of {PART_KINDS}; got {kind!r}")
+    return dict(_REGISTRY[kind])
+
+
 @dataclass(frozen=True)
 class Part:
     """Base of every part: a frozen dataclass that validates itself on construction."""
@@ -70,6 +88,22 @@ class Part:
     name: ClassVar[str] = ""
     #: Extra keyword names a preset routes to a field of this part (``{"floor_alpha": "alpha"}``).
     aliases: ClassVar[dict[str, str]] = {}
+
+    #: Fields the policy sets from its budget (a selector's ``k``): never passed as parameters.
+    budget_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if not name:
+            return  # an abstract base, or a subclass that keeps its parent's name
+        if cls.kind not in _REGISTRY:
+            raise TypeError(f"{cls.__qualname__}: kind must be one of {PART_KINDS}; got {cls.kind!r}")
+        known = _REGISTRY[cls.kind].get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"{cls.__qualname__}: the {cls.kind} name {name!r} is taken by "
+                            f"{known.__module__}.{known.__qualname__}")
+        _REGISTRY[cls.kind][name] = cls
 
     def __post_init__(self) -> None:
         self.validate()

@@ -119,23 +119,3 @@ class Blockwise(Schedule):
 
     def row_limit(self, decoding: bool, budget: int | None) -> int | None:
         return None if budget is None else budget + (self.buffer if decoding else 0)
-
-
-SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (Prefill, Decode, Blockwise)}
-
-
-def make_schedule(name: object, buffer: int = 0, block_size: int = 128) -> Schedule:
-    """The schedule called ``name`` (``"prefill"``, ``"decode"``, ``"blockwise"``) with its parameters."""
-    from kvsieve.core.part import PolicyConfigError
-
-    if isinstance(name, Schedule):
-        return name
-    if name not in SCHEDULES:
-        raise PolicyConfigError(f"schedule must be one of {tuple(SCHEDULES)}; got {name!r}")
-    require_int("schedule", "buffer", buffer, 0)
-    require_int("schedule", "block_size", block_size, 1)
-    if name == "decode":
-        return Decode(buffer=buffer)
-    if name == "blockwise":
-        return Blockwise(block_size=block_size, buffer=buffer)
-    return Prefill()

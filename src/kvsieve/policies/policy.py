@@ -20,21 +20,20 @@ from typing import Any
 from kvsieve.cache.store import SideSpec, StoreHook
 from kvsieve.core.budget import BudgetSpec
 from kvsieve.core.part import Part, PolicyConfigError, is_int, is_number
-from kvsieve.parts.actions import ACTIONS, Action, Evict
-from kvsieve.parts.allocators import ALLOCATORS, Allocator, Uniform
-from kvsieve.parts.schedules import Prefill, Schedule, make_schedule
-from kvsieve.parts.scorers import Scorer
-from kvsieve.parts.selectors import Selector
+from kvsieve.parts.actions.base import Action, Evict
+from kvsieve.parts.allocators.base import Allocator, Uniform
+from kvsieve.parts.schedules import Prefill, Schedule
+from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
+from kvsieve.parts.selectors.base import Selector
+from kvsieve.policies.catalog import part_named
 
-ALL_SCHEDULES = ("prefill", "decode", "blockwise")
 
-
-def _resolve(kind: str, value: object, table: dict[str, type[Part]], base: type[Part]) -> Any:
+def _resolve(kind: str, value: object, base: type[Part]) -> Any:
     if isinstance(value, base):
         return value
-    if isinstance(value, str) and value in table:
-        return table[value]()
-    raise PolicyConfigError(f"{kind} must be one of {sorted(table)} or a {base.__name__} object; got {value!r}")
+    if isinstance(value, str):
+        return part_named(kind, value)
+    raise PolicyConfigError(f"{kind} must be a registered name or a {base.__name__} object; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,9 @@ class Policy:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", make_schedule(self.schedule))
-        object.__setattr__(self, "allocator", _resolve("allocator", self.allocator, ALLOCATORS, Allocator))
-        object.__setattr__(self, "action", _resolve("action", self.action, ACTIONS, Action))
+        object.__setattr__(self, "schedule", _resolve("schedule", self.schedule, Schedule))
+        object.__setattr__(self, "allocator", _resolve("allocator", self.allocator, Allocator))
+        object.__setattr__(self, "action", _resolve("action", self.action, Action))
         self.validate()
 
     # ------------------------------------------------------------------ properties

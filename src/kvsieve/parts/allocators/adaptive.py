@@ -34,8 +34,10 @@ from typing import ClassVar
 import torch
 
 from kvsieve.core.part import require_choice, require_number
+from kvsieve.core.preset import Preset
 from kvsieve.ops.adaptive_counts import adaptive_counts
 from kvsieve.parts.allocators.base import Allocator
+from kvsieve.parts.scorers.snapkv import WindowAttention
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,9 @@ class Adaptive(Allocator):
             outside = (nominal - protected).clamp(min=0)
             floor = protected + (outside.double() * self.alpha).long()
         return adaptive_counts(scores, total, floor, lengths)
+
+
+PRESETS = (
+    Preset("adakv", "any base score (snapkv by default), budget split across the heads of a layer",
+           scorer=WindowAttention(), allocator=Adaptive(), aliases={"base": "scorer"}, routes={"alpha": "allocator"}),
+)

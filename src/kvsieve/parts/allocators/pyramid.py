@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvsieve.core.part import PolicyConfigError, require_bool, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.parts.allocators.base import Allocator
+from kvsieve.parts.scorers.snapkv import WindowAttention
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -67,3 +69,9 @@ class Pyramid(Allocator):
         low = spare / self.beta
         high = 2 * spare - low
         return int(high - layer_idx * (high - low) / (num_layers - 1)) + window
+
+
+PRESETS = (
+    Preset("pyramidkv", "snapkv scores, layer budgets decreasing with depth", scorer=WindowAttention(),
+           allocator=Pyramid()),
+)

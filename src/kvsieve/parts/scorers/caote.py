@@ -22,9 +22,13 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import PolicyConfigError, require_bool
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.ops.reconstruction import caote_meta_scores
 from kvsieve.parts.scorers.base import Scorer
+from kvsieve.parts.scorers.h2o import AccumulatedAttention
+from kvsieve.parts.scorers.snapkv import WindowAttention
+from kvsieve.parts.scorers.tova import LastQueryAttention
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -78,3 +82,15 @@ class Caote(Scorer):
 
     def __str__(self) -> str:
         return f"{'fastcaote' if self.fast else 'caote'}({self._base})"
+
+
+def _summary(fast: bool, base: str) -> str:
+    method = "FastCAOTE (mean value, Eq. 8)" if fast else "CAOTE (value-aware eviction error, Eq. 7)"
+    return f"{method} over {base}"
+
+
+PRESETS = tuple(
+    Preset(f"{base}_{'fastcaote' if fast else 'caote'}", _summary(fast, base), scorer=Caote(base=scorer, fast=fast))
+    for base, scorer in (("h2o", AccumulatedAttention()), ("tova", LastQueryAttention()), ("snapkv", WindowAttention()))
+    for fast in (False, True)
+)

@@ -33,9 +33,13 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.ops.pooling import pool_scores
+from kvsieve.parts.actions.evict_merge import EvictThenMerge
+from kvsieve.parts.actions.evict_merge_pos import EvictThenMergePos
+from kvsieve.parts.schedules import Decode
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 GLOBAL = "ems_global"
@@ -103,3 +107,11 @@ class GlobalLocal(Scorer):
         in_window = offsets.view(1, 1, -1) >= (lengths - self.window).unsqueeze(-1)
         scores = scores.masked_fill(in_window | ~valid, 0.0)
         return pool_scores(scores, self.kernel_size, "avgpool")
+
+
+PRESETS = (
+    Preset("ems", "EMS: Global-Local score (w=32, kernel 7), head-wise evict-then-merge (γ=4, τ=0.6), prefill and "
+           "decoding", scorer=GlobalLocal(), action=EvictThenMerge(), schedule=Decode()),
+    Preset("ems_pos", "EMS w. pos: ems plus a position look-up table, centres expanded to their positions at "
+           "attention time", scorer=GlobalLocal(), action=EvictThenMergePos(), schedule=Decode()),
+)

@@ -16,6 +16,7 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import require_number
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import COLUMN_SUMS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer, protect_recent
@@ -45,3 +46,6 @@ class AccumulatedAttention(Scorer):
     def protect(self, scores: torch.Tensor, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         recent = (nominal.double() * self.recent_ratio).long().to(scores.device)
         return protect_recent(scores, step, recent)
+
+
+PRESETS = (Preset("h2o", "accumulated attention of all queries + a recent half", scorer=AccumulatedAttention()),)

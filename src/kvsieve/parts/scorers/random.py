@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.core.part import require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
@@ -32,3 +33,6 @@ class RandomScores(Scorer):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step.layer_idx * 7919 + step.forward_index)
         noise = torch.rand(step.view.positions.shape, generator=generator)
         return noise.to(step.view.keys.device)
+
+
+PRESETS = (Preset("random", "a seeded uniform random subset", scorer=RandomScores()),)

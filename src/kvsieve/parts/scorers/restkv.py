@@ -48,11 +48,14 @@ from typing import ClassVar
 import torch
 
 from kvsieve.core.part import PolicyConfigError, require_bool, require_choice, require_int, require_number
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.ops.pooling import pool_scores
 from kvsieve.ops.reconstruction import output_gram, restkv_indicator, vatp_indicator
 from kvsieve.ops.smoothing import adaptive_spatial_smoothing, ema_over_window, mean_over_window
+from kvsieve.parts.allocators.adaptive import Adaptive
+from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.scorers.base import Scorer
 
 INDICATORS = ("restkv", "vatp", "attention")
@@ -144,3 +147,12 @@ class OutputReconstruction(Scorer):
         grouped = attention.reshape(batch, step.kv_heads, q_heads // step.kv_heads, length)
         outputs = torch.matmul(grouped, values).reshape(batch, q_heads, 1, -1)
         return restkv_indicator(attention.unsqueeze(2), outputs, values, self._gram(step))[:, :, 0]
+
+
+PRESETS = (
+    Preset("restkv", "output-reconstruction error with EMA and adaptive-window smoothing",
+           scorer=OutputReconstruction()),
+    Preset("pyramid_restkv", "restkv scores with PyramidKV layer budgets", scorer=OutputReconstruction(),
+           allocator=Pyramid()),
+    Preset("ada_restkv", "restkv scores with AdaKV head budgets", scorer=OutputReconstruction(), allocator=Adaptive()),
+)

@@ -30,7 +30,10 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import PolicyConfigError, require_choice, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LAYER_INPUTS, LayerStep
+from kvsieve.parts.allocators.global_budget import GlobalBudget
+from kvsieve.parts.schedules import Decode
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 if TYPE_CHECKING:
@@ -122,3 +125,13 @@ class RetentionGate(Scorer):
 
 
 __all__ = ["LOG_BETA", "RetentionGate", "log_horizon", "retention_score"]
+
+
+PRESETS = (
+    Preset("trimkv", "learned retention gates (untied), top-M per head, evicting at prefill and decoding",
+           scorer=RetentionGate(pretrained="trimkv"), schedule=Decode(buffer=16)),
+    Preset("dbtrimkv", "learned retention gates (tied readout), one global budget over all layers and heads",
+           scorer=RetentionGate(pretrained="dbtrimkv"), allocator=GlobalBudget(), schedule=Decode(buffer=16)),
+    Preset("dbtrimkv_untied", "dbtrimkv's global ranking with untied gates (the paper's no-tying ablation)",
+           scorer=RetentionGate(pretrained="dbtrimkv_untied"), allocator=GlobalBudget(), schedule=Decode(buffer=16)),
+)

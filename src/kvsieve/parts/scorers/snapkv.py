@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.core.part import PolicyConfigError, require_choice, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.ops.pooling import pool_scores
@@ -58,3 +59,8 @@ class WindowAttention(Scorer):
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         return window_scores(step, self.window, self.kernel_size, self.pooling)
+
+
+PRESETS = (
+    Preset("snapkv", "observation-window attention (w=32), pooled (kernel 5), window kept", scorer=WindowAttention()),
+)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
@@ -46,3 +47,6 @@ class Sinks(Scorer):
         offsets = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(offsets.view(1, 1, -1) < self.sinks, math.inf)
         return scores.masked_fill(~step.entry_valid(), -math.inf)
+
+
+PRESETS = (Preset("streaming_llm", "4 attention sinks + the most recent entries", scorer=Sinks()),)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.core.part import require_choice
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
@@ -51,3 +52,6 @@ def _rows_with_aligned_heads(step: LayerStep) -> torch.Tensor:
     if view.valid is not None:
         same = same & (view.valid == view.valid[:, :1])
     return same.flatten(1).all(dim=1)
+
+
+PRESETS = (Preset("tova", "attention of the last query (all heads of the layer)", scorer=LastQueryAttention()),)

@@ -24,6 +24,8 @@ class Selector(Part):
     """Base selector (abstract)."""
 
     kind: ClassVar[str] = "selector"
+    #: ``k``, the entries each decoding query attends to, is the policy's budget.
+    budget_fields: ClassVar[tuple[str, ...]] = ("k",)
 
     def side(self) -> tuple[SideSpec, ...]:
         """Per-entry side data the selector reads (kept by every store of the policy, whatever its action)."""

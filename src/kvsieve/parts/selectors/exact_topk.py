@@ -14,6 +14,7 @@ import torch
 from kvsieve.cache.selection_state import SelectionState, kv_entry_bytes, record_if_measured
 from kvsieve.cache.store import StoreHook
 from kvsieve.core.part import require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.parts.selectors.base import Selector
 
@@ -53,3 +54,9 @@ class ExactTopK(Selector):
         if view.valid is not None:
             logits = logits.masked_fill(~view.valid[:, :, None, :], float("-inf"))
         return torch.topk(logits, self.k, dim=-1).indices.reshape(batch, q_heads, self.k)
+
+
+PRESETS = (
+    Preset("exact_topk", "everything in memory; each decoding query attends to its top-k q·k (selection)",
+           selector=ExactTopK()),
+)

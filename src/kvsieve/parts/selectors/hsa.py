@@ -35,7 +35,11 @@ from kvsieve.cache.pages import PageMinMax
 from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
 from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
 from kvsieve.core.part import require_bool, require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
+from kvsieve.parts.actions.mark import Mark
+from kvsieve.parts.allocators.two_stage import TwoStageSplit
+from kvsieve.parts.scorers.snapkv_plus import GroupWindowAttention
 from kvsieve.parts.selectors.base import Selector
 from kvsieve.parts.selectors.sparse import (
     grouped_query,
@@ -151,3 +155,14 @@ class FilteredHybridSparse(HybridSparse):
 
     name: ClassVar[str] = "hsa_mt"
     filtered: bool = True
+
+
+PRESETS = (
+    Preset("hsa", "everything in memory; RocketKV's hybrid sparse attention (pages × top-k1 dims), token budget t "
+           "(selection)", selector=HybridSparse()),
+    Preset("rocketkv", "SnapKV++ keeps N/c^r (evicts), then hybrid sparse attention; token budget t",
+           scorer=GroupWindowAttention(), allocator=TwoStageSplit(), selector=HybridSparse()),
+    Preset("rocketkv_mt", "everything in memory; each turn SnapKV++ marks N/c^r, hybrid sparse attention among "
+           "them; token budget t (selection)", scorer=GroupWindowAttention(), allocator=TwoStageSplit(),
+           selector=FilteredHybridSparse(), action=Mark()),
+)

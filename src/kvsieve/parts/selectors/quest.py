@@ -31,6 +31,7 @@ from kvsieve.cache.pages import PageMinMax
 from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
 from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.core.part import require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.parts.selectors.base import Selector
 from kvsieve.parts.selectors.sparse import (
@@ -118,3 +119,9 @@ def page_upper_bounds(
     lower = kmin.masked_fill(~keep, 0.0).to(query.dtype)
     positive = query.clamp(min=0.0)
     return torch.matmul(positive, upper.transpose(-1, -2)) + torch.matmul(query - positive, lower.transpose(-1, -2))
+
+
+PRESETS = (
+    Preset("quest", "everything in memory; top pages by the q·k upper bound from page min/max, token budget t "
+           "split evenly (selection)", selector=Quest()),
+)

@@ -36,6 +36,7 @@ from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_byte
 from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.cache.value_mean import ValueSum
 from kvsieve.core.part import require_int
+from kvsieve.core.preset import Preset
 from kvsieve.core.selection import Selection
 from kvsieve.core.step import LayerStep
 from kvsieve.parts.selectors.base import Selector
@@ -110,3 +111,9 @@ class SparQ(Selector):
             weight=mass.reshape(batch, kv_heads * groups),
             fallback=per_query_head(mean, groups),
         )
+
+
+PRESETS = (
+    Preset("sparq", "everything in memory; top-r |q| dims approximate scores, exact top t/2, mean-value mix, "
+           "token budget t (selection)", selector=SparQ()),
+)
