@@ -11,8 +11,8 @@ Reading chosen here (DBTrimKV Sec. 4.1's gate, with the two-layer MLP and tied f
 each (layer, KV head) has its own first layer ``W_{l,h} ∈ R^{d×r}, b_{l,h}`` (``r = gate_hidden``), the
 activation ``φ`` is SiLU (the model's ``hidden_act`` in the authors' released configs), and the readout is
 ``w_out ∈ R^r, b_out ∈ R`` (tied) or ``w_out ∈ R^{L×H×r}, b_out ∈ R^{L×H}`` (untied). ``b_out`` starts at 18
-(Sec. 5.1), so ``β ≈ 1 − 1.5·10⁻⁸``: a fresh gate is (numerically) full attention. The gate returns ``log β =
-log σ(z)`` (never ``β`` itself, which rounds to 1 in float32).
+(Sec. 5.1), so ``β ≈ 1 − 1.5·10⁻⁸``: a fresh gate is (numerically) full attention. The gate returns
+``log β = log σ(z)`` (never ``β`` itself, which rounds to 1 in float32).
 
 Files: ``<stem>.safetensors`` (the tensors) and ``<stem>.json`` (:class:`GateConfig`: base-model
 architecture, shapes, tying, training summary). :func:`load_gates` refuses a model whose architecture or
