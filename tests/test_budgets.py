@@ -178,8 +178,8 @@ def test_pyramidkv_layer_budgets_decrease(arch, model):
     [(3, 8, 4), (2, 12, 12), (8, 64, 8), (30, 64, 32), (32, 8, 4), (1, 8, 4)],
 )
 def test_pyramidkv_budget_schedule_properties(num_layers, budget, window):
-    """Budgets decrease with depth and never exceed ``layers × budget`` in total (METHODS.md: the
-    pyramid redistributes the same total), whatever the layer count."""
+    """Budgets decrease with depth and never exceed ``layers × budget`` in total (PyramidKV, Cai et al.
+    2024, arXiv:2406.02069: the pyramid redistributes the same total), whatever the layer count."""
     allocator = Pyramid(beta=20)
     budgets = [allocator.layer_budget(budget, i, num_layers, window) for i in range(num_layers)]
     assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets

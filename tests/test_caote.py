@@ -1,5 +1,5 @@
-"""CAOTE / FastCAOTE (papers/caote.txt): Eq. 6–8 against brute-force removal, the meta-policy wiring over
-h2o / tova / snapkv, inherited schedules, and the six policies on tiny models."""
+"""CAOTE / FastCAOTE (Goel et al., 2025, arXiv:2504.14051): Eq. 6–8 against brute-force removal, the meta-policy
+wiring over h2o / tova / snapkv, inherited schedules, and the six policies on tiny models."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""EMS (papers/ems.txt): Global-Local score (Eq. 2, decoding window swap), head-wise evict-then-merge with a
-zero class (Sec. 4.2), raw keys through the rotary table, budgets at every step, and memory."""
+"""EMS (Li et al., 2024, arXiv:2412.08521): Global-Local score (Eq. 2, decoding window swap), head-wise
+evict-then-merge with a zero class (Sec. 4.2), raw keys through the rotary table, budgets at every step, and memory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ReST-KV (papers/restkv.txt): Eq. 7 against brute-force removal, Eq. 9 and Eq. 10–13 on hand-computed
+"""ReST-KV (An et al., 2026, arXiv:2605.08840): Eq. 7 against brute-force removal, Eq. 9 and Eq. 10–13 on hand-computed
 cases, the policy's wiring on a synthetic layer step, and restkv / pyramid_restkv / ada_restkv on tiny
 models."""
 

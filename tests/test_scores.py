@@ -1,4 +1,4 @@
-"""Policy scores on a synthetic layer step, against the formulas of METHODS.md / the papers' code."""
+"""Policy scores on a synthetic layer step, against the papers' formulas / the papers' code."""
 
 from __future__ import annotations
 

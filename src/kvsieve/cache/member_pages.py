@@ -1,7 +1,7 @@
-"""Per-page key min/max over a *filtered subset* of a layer store (RocketKV-MT, ``papers/rocketkv.txt``
-Sec. 3.5): the store holds every entry, a boolean side datum marks the members (what the turn's stage-1
-filter kept, plus every entry appended since), and pages of ``page_size`` consecutive *members* carry
-element-wise key max/min, exactly like :class:`~kvsieve.cache.pages.PageMinMax` over the members alone.
+"""Per-page key min/max over a *filtered subset* of a layer store (RocketKV-MT: RocketKV, Behnam et al., 2025,
+arXiv:2502.14051, Sec. 3.5): the store holds every entry, a boolean side datum marks the members (what the
+turn's stage-1 filter kept, plus every entry appended since), and pages of ``page_size`` consecutive *members*
+carry element-wise key max/min, exactly like :class:`~kvsieve.cache.pages.PageMinMax` over the members alone.
 
 Decoding appends (one entry per segment) are members: they are added to the member index and update
 the page they land in (``scatter_reduce_`` amax/amin), no host sync. A prompt (several entries per

@@ -1,5 +1,5 @@
-"""Per-page key statistics kept in step with a layer store (Quest, Tang et al. 2024, Sec. 3.2; RocketKV's
-hybrid sparse attention, ``papers/rocketkv.txt`` Sec. 3.4).
+"""Per-page key statistics kept in step with a layer store (Quest, Tang et al. 2024, arXiv:2406.10774,
+Sec. 3.2; the hybrid sparse attention of RocketKV (Behnam et al., 2025, arXiv:2502.14051), Sec. 3.4).
 
 Each segment's held entries are split, in position order, into pages of ``page_size`` consecutive
 entries; for every page the element-wise maximum and minimum of its keys are kept. Appends update only

@@ -2,16 +2,16 @@
 
 TrimKV (Bui et al. 2025, "Cache What Lasts", arXiv:2512.03324) gives every cached token a retention score
 ``β_i ∈ (0, 1)`` predicted once, when the token enters the cache, from the hidden state ``x_i`` its layer's
-attention reads (after the layer's norm); its importance then decays geometrically, ``β_i^{t−i}``.
-DBTrimKV (``papers/dbtrimkv.txt`` Sec. 4.1, "Weight-tied retention gates") ties the final projection
-``(w_out, b_out)`` across all layers and heads so that scores of different heads share one scale and can
-be ranked globally; TrimKV keeps one ``(w_out, b_out)`` per layer and head.
+attention reads (after the layer's norm); its importance then decays geometrically, ``β_i^{t−i}``. DBTrimKV
+(Bui et al., 2026, "Make Each Token Count", arXiv:2605.09649, Sec. 4.1, "Weight-tied retention gates") ties
+the final projection ``(w_out, b_out)`` across all layers and heads so that scores of different heads share
+one scale and can be ranked globally; TrimKV keeps one ``(w_out, b_out)`` per layer and head.
 
-Reading chosen here (the paper's equation was lost in extraction; ``METHODS.md`` restates it): each
-(layer, KV head) has its own first layer ``W_{l,h} ∈ R^{d×r}, b_{l,h}`` (``r = gate_hidden``), the
+Reading chosen here (DBTrimKV Sec. 4.1's gate, with the two-layer MLP and tied final layer of its Sec. 5.1):
+each (layer, KV head) has its own first layer ``W_{l,h} ∈ R^{d×r}, b_{l,h}`` (``r = gate_hidden``), the
 activation ``φ`` is SiLU (the model's ``hidden_act`` in the authors' released configs), and the readout is
-``w_out ∈ R^r, b_out ∈ R`` (tied) or ``w_out ∈ R^{L×H×r}, b_out ∈ R^{L×H}`` (untied). ``b_out`` starts at
-18 (Sec. 5.1), so ``β ≈ 1 − 1.5·10⁻⁸``: a fresh gate is (numerically) full attention. The gate returns
+``w_out ∈ R^r, b_out ∈ R`` (tied) or ``w_out ∈ R^{L×H×r}, b_out ∈ R^{L×H}`` (untied). ``b_out`` starts at 18
+(Sec. 5.1), so ``β ≈ 1 − 1.5·10⁻⁸``: a fresh gate is (numerically) full attention. The gate returns
 ``log β = log σ(z)`` (never ``β`` itself, which rounds to 1 in float32).
 
 Files: ``<stem>.safetensors`` (the tensors) and ``<stem>.json`` (:class:`GateConfig`: base-model

@@ -1,4 +1,6 @@
-"""GQA reduction: one selection per KV head from per-query-head scores (METHODS.md, "GQA rule")."""
+"""GQA reduction: one selection per KV head from per-query-head scores (group-wise selection
+as in RocketKV, Behnam et al., 2025, arXiv:2502.14051, Sec. 3.3, following Ada-KV, Feng et al. 2024,
+arXiv:2407.11550)."""
 
 from __future__ import annotations
 

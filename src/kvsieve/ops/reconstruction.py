@@ -3,9 +3,9 @@
 Removing entry ``j`` from a softmax row ``A`` renormalises the rest by ``1 / (1 - A[j])``, so the
 output moves by exactly ``A[j] / (1 - A[j]) · (o - v_j)``. Two papers score entries with this:
 
-* ReST-KV (An, Lu, Zhu et al. 2025, ``papers/restkv.txt``) Eq. 7 — the change of the head's contribution
+* ReST-KV (An et al., 2026, ICLR 2026, arXiv:2605.08840), Eq. 7 — the change of the head's contribution
   ``o W_O^h`` to the layer output, for every observation-window query (derivation in App. A, Eq. 15–23);
-* CAOTE (Goel et al. 2025, ``papers/caote.txt``) Eq. 6 — the change of the head output ``o`` for the
+* CAOTE (Goel et al., 2025, arXiv:2504.14051), Eq. 6 — the change of the head output ``o`` for the
   current query; Eq. 7 its meta-policy form over any base score; Eq. 8 FastCAOTE (mean value for ``o``).
 
 Shapes: ``rows`` ``(batch, q_heads, w, L)`` softmax rows; ``outputs`` ``(batch, q_heads, w, d)`` the

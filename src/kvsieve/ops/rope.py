@@ -1,6 +1,6 @@
 """Rotary position embedding of one layer as data: un-rotate stored keys to their raw (pre-RoPE) form and
-rotate raw keys to any position (EMS, ``papers/ems.txt`` Sec. 4.1: redundancy is measured on *raw* keys,
-"the superimposed positional encoding can attenuate the similarity").
+rotate raw keys to any position (EMS, Li et al., 2024, arXiv:2412.08521, Sec. 4.1: redundancy is measured
+on *raw* keys, "the superimposed positional encoding can attenuate the similarity").
 
 The table is read from the model's config exactly as transformers builds it (``rope_parameters``: the
 base ``rope_theta``, ``partial_rotary_factor`` — Phi3-style partial rotary, only the first ``rotary_dim``

@@ -1,4 +1,4 @@
-"""ReST-KV's spatial-temporal smoothing of per-query indicators (An, Lu, Zhu et al. 2025, ``papers/restkv.txt``,
+"""ReST-KV's spatial-temporal smoothing of per-query indicators (An et al., 2026, ICLR 2026, arXiv:2605.08840,
 Sec. 3.3, Eq. 8–13).
 
 Input is an indicator ``I`` ``(batch, heads, w, L)``: one row per observation-window query ``t`` (in

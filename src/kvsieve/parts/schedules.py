@@ -4,9 +4,9 @@
   decoding. SnapKV-style: the prompt attends to its whole self first.
 * :class:`Decode` — like ``Prefill`` for prompts, and at decoding steps whenever a head holds more than
   ``budget + buffer`` entries (``buffer`` 0 = one eviction per step; larger buffers amortise it).
-* :class:`Blockwise` — CAOTE's setting (Goel et al. 2025, ``papers/caote.txt`` Sec. 3): each prompt is
-  processed in blocks of ``block_size`` queries *per layer*, evicting back to the budget after every
-  block, so a head never holds more than ``budget + block_size`` entries; then like ``Decode``.
+* :class:`Blockwise` — CAOTE's setting (Goel et al., 2025, arXiv:2504.14051, Sec. 2; blocks of 128 in Sec. 4):
+  each prompt is processed in blocks of ``block_size`` queries *per layer*, evicting back to the budget after
+  every block, so a head never holds more than ``budget + block_size`` entries; then like ``Decode``.
 
 Global allocators (one budget over all layers and heads) compare the total a batch row holds with the
 total budget instead of each head with its own (see :meth:`Schedule.fires_total`).

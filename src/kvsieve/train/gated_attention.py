@@ -1,4 +1,5 @@
-"""Retention-gated attention for training (TrimKV, Bui et al. 2025, Eq. 1 of ``papers/dbtrimkv.txt`` Sec. 2.2).
+"""Retention-gated attention for training (TrimKV, Bui et al. 2025, arXiv:2512.03324;
+the retention relaxation of Eq. 1 restated in DBTrimKV, Bui et al., 2026, arXiv:2605.09649, Sec. 2.2).
 
 The unnormalised weight of key ``i`` for query ``t ≥ i`` is ``β_i^{t−i}·exp(q_t·k_i/√d)``, i.e. the logit gets the
 additive bias ``(t − i)·log β_i``. Computed blockwise over queries: a block of ``block_size`` queries reads

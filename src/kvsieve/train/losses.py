@@ -1,4 +1,5 @@
-"""Losses of retention-gate training (``papers/dbtrimkv.txt`` Sec. 2.2 Eqs. 3–5, Sec. 4.1).
+"""Losses of retention-gate training (DBTrimKV, Bui et al., 2026, arXiv:2605.09649, Sec. 2.2 Eqs. 3–5,
+Sec. 4.1).
 
 * quality: ``KL(teacher ‖ student)`` of the next-token distributions (teacher: the frozen model with plain
   attention; student: the same model with retention-gated attention), averaged over the scored positions;

@@ -1,4 +1,5 @@
-"""Training retention gates on a frozen model (TrimKV / DBTrimKV, ``papers/dbtrimkv.txt`` Secs. 2.2, 4.1, B.1).
+"""Training retention gates on a frozen model (TrimKV / DBTrimKV; DBTrimKV, Bui et al., 2026,
+arXiv:2605.09649, Secs. 2.2, 4.1, B.1).
 
 Only the gate parameters train. Each step takes one training sequence (:mod:`kvsieve.train.data`), runs the
 frozen model twice — the teacher with plain attention (no gradients), the student with retention-gated

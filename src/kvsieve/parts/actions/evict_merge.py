@@ -1,5 +1,5 @@
-"""``ems`` action — head-wise evict-then-merge with a zero class (Li et al. 2025, ``papers/ems.txt`` Sec. 4.2,
-Eq. 5, App. A).
+"""``ems`` action — head-wise evict-then-merge with a zero class (EMS, Li et al., 2024, arXiv:2412.08521,
+Sec. 4.2, Eq. 5, App. A).
 
 Per head, ranking the entries by the scorer's score (the Global-Local score of :mod:`.global_local`, but
 any scorer works):

@@ -1,4 +1,4 @@
-"""``ems_pos`` action — EMS "w. pos" (``papers/ems.txt`` Table 1, Sec. 4.2 and App. A "Shared Entry
+"""``ems_pos`` action — EMS "w. pos" (Li et al., 2024, arXiv:2412.08521, Table 1, Sec. 4.2 and App. A "Shared Entry
 Expansion"): evict-then-merge exactly as :class:`~kvsieve.parts.actions.evict_merge.EvictThenMerge`, plus a
 **position look-up table**: each entry remembers the positions of the tokens merged into it, and at
 attention time a centre is expanded to one key per position it represents — its raw (un-rotated) merged

@@ -1,5 +1,5 @@
-"""``mark`` action — RocketKV-MT's stage 1 (``papers/rocketkv.txt`` Sec. 3.5): the plan's kept entries are
-*marked* (side datum ``stage1_keep``), nothing is deleted.
+"""``mark`` action — RocketKV-MT's stage 1 (RocketKV, Behnam et al., 2025, arXiv:2502.14051,
+Sec. 3.5): the plan's kept entries are *marked* (side datum ``stage1_keep``), nothing is deleted.
 
 Each prompt (turn) re-filters the whole history: the scorer and allocator plan over every held entry as
 for eviction, and the marks are rewritten — kept entries True, all others False; entries appended later

@@ -1,6 +1,6 @@
 """``merge`` action: keep the top entries and fold planned others into them instead of dropping them.
 
-This is the hook evict-then-merge methods fill (EMS, ``papers/ems.txt`` Sec. 4.2): subclasses decide,
+This is the hook evict-then-merge methods fill (EMS, Li et al., 2024, arXiv:2412.08521, Sec. 4.2): subclasses decide,
 in :meth:`Merge.assign`, which dropped entries go into which kept entry and with what weight; this class
 executes any such plan exactly:
 

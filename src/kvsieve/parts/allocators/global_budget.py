@@ -1,5 +1,6 @@
-"""``global`` allocator — one budget over every layer and KV head (DBTrimKV, ``papers/dbtrimkv.txt``: keep the
-top ``L·H·M`` entries of all layers and heads at once; the same top-k as AdaKV's, over a whole model).
+"""``global`` allocator — one budget over every layer and KV head (DBTrimKV, Bui et al., 2026,
+arXiv:2605.09649, Sec. 4.2: keep the top ``L·H·M`` entries of all layers and heads at once; the same top-k
+as AdaKV's, over a whole model).
 
 The nominal per-head budgets of every managed layer are summed into one total per batch row; the
 counts then follow the scores of *all* heads of *all* layers (each head first gets ``floor`` entries,

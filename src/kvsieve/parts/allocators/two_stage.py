@@ -1,4 +1,4 @@
-"""``rocketkv_split`` allocator — RocketKV's stage-1 budget (``papers/rocketkv.txt`` Sec. 3.6).
+"""``rocketkv_split`` allocator — stage-1 budget of RocketKV (Behnam et al., 2025, arXiv:2502.14051), Sec. 3.6.
 
 The policy's ``budget`` is the *token budget* ``t`` per KV group (decoding traffic, not what is held).
 A head holding ``N`` entries has compression ``c = N / t``, split ``r = min(0.2 + 0.06·log2 c, 0.8)``;

@@ -1,5 +1,5 @@
-"""CAOTE / FastCAOTE — value-aware correction of any base score (Goel et al. 2025, "CAOTE: KV Cache
-Selection for LLMs via Attention Output Error-Based Token Eviction", ``papers/caote.txt``).
+"""CAOTE / FastCAOTE — value-aware correction of any base score (Goel et al., 2025, "CAOTE: Optimizing KV
+Cache Memory Through Attention Output Error-Based Token Eviction", arXiv:2504.14051).
 
 The base scorer's unprotected score ``h`` per KV head (H2O's accumulated attention, TOVA's last-query
 row, SnapKV's pooled window votes; each already reduced over its GQA group) is normalised,

@@ -1,5 +1,5 @@
-"""``ems`` scorer — Global-Local score (Li et al. 2025, "EMS: Adaptive Evict-then-Merge Strategy for Head-wise
-KV Cache Compression Based on Global-Local Importance", ``papers/ems.txt`` Sec. 3.3, Eq. 2).
+"""``ems`` scorer — Global-Local score (Li et al., 2024, "EMS: Adaptive Evict-then-Merge Strategy for Head-wise
+KV Cache Compression Based on Global-Local Importance", arXiv:2412.08521, Sec. 3.3, Eq. 2).
 
 * ``s_glo`` = attention accumulated over **every** query so far (the prompt's, blockwise through the
   kernel's column sums — never N×N — then each decoding query's row), kept per entry as side data

@@ -1,4 +1,4 @@
-"""``random`` scorer: uniform random scores, seeded — the sanity floor (METHODS.md, Baselines)."""
+"""``random`` scorer: uniform random scores, seeded — the sanity floor (a baseline of this library, from no paper)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``restkv`` scorer — ReST-KV (An, Lu, Zhu et al. 2025, "ReST-KV: Robust KV Cache Eviction with Layer-wise
-Output Reconstruction and Spatial-Temporal Smoothing", ``papers/restkv.txt``).
+"""``restkv`` scorer — ReST-KV (An et al., 2026, "ReST-KV: Robust KV Cache Eviction with Layer-wise
+Output Reconstruction and Spatial-Temporal Smoothing", ICLR 2026, arXiv:2605.08840).
 
 Prefill-once, like SnapKV, over the same observation window (the last ``window`` prompt queries).
 
@@ -30,8 +30,8 @@ entries left out, no renormalisation) and ``s_j = a_j / (1 - a_j) · ‖(o - v_j
    attention row (``after``, as the authors' code does in both modes).
    ``adaptive_smoothing=False`` uses SnapKV's avgpool with ``kernel_size`` (Table 16 "Avgpool";
    ``kernel_size=1`` there is Table 3's "w/o AWS").
-4. GQA: mean over the query heads of each KV group (METHODS.md); the authors' code instead expands the
-   keys/values to every query head and selects per query head — ``KVCache(..., expand_gqa=True)``
+4. GQA: mean over the query heads of each KV group (:func:`kvsieve.ops.gqa.reduce_groups`); the authors' code instead
+   expands the keys/values to every query head and selects per query head — ``KVCache(..., expand_gqa=True)``
    gives that (``g×`` the memory). The window is always kept (Eq. 8's Ω).
 
 Only entries before the window (Eq. 8's ``n < t - S_w``) compete: window entries get 0 before smoothing

@@ -1,5 +1,6 @@
 """``retention`` scorer — learned retention gates: TrimKV (Bui et al. 2025, "Cache What Lasts: Token Retention
-for Memory-Bounded KV Cache in LLMs", arXiv:2512.03324) and DBTrimKV (``papers/dbtrimkv.txt``, Sec. 4.2).
+for Memory-Bounded KV Cache in LLMs", arXiv:2512.03324) and DBTrimKV (Bui et al., 2026, "Make Each Token
+Count", arXiv:2605.09649, Sec. 4.2).
 
 When a token enters the cache its layer's gate reads the layer's attention input (after the norm, from
 :mod:`kvsieve.engine.layer_inputs`) and predicts ``log β_i`` per KV head; it is kept per entry as side data

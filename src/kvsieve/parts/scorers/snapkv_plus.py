@@ -1,4 +1,4 @@
-"""``snapkv_plus`` scorer — RocketKV's stage 1, "SnapKV++" (``papers/rocketkv.txt`` Sec. 3.3).
+"""``snapkv_plus`` scorer — RocketKV's stage 1, "SnapKV++" (Behnam et al., 2025, arXiv:2502.14051, Sec. 3.3).
 
 SnapKV's observation-window score (:class:`~kvsieve.parts.scorers.snapkv.WindowAttention`) with
 RocketKV's settings: GQA group-wise selection from the scores **summed** over the query heads of the

@@ -1,4 +1,5 @@
-"""``streaming_llm`` scorer (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
+"""``streaming_llm`` scorer (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
+arXiv:2309.17453).
 
 Keeps the first ``sinks`` entries (attention sinks) and the most recent ``budget - sinks``; no
 attention is read. Works at prefill and, with the ``decode`` schedule, as a rolling cache.

@@ -1,7 +1,8 @@
-"""``exact_topk`` selector — oracle dynamic selection: at each decoding step every query head attends only
-to the ``k`` entries with the largest ``q·k`` over the *whole* cache (METHODS.md; the upper bound that
-Quest, SparQ and RocketKV's HSA approximate). Nothing is evicted; reading every key to rank them costs
-a full pass, so this is a fidelity reference, not a speed-up.
+"""``exact_topk`` selector — oracle dynamic selection: at each decoding step every query head attends only to
+the ``k`` entries with the largest ``q·k`` over the *whole* cache ("Exact-TopK", the oracle of RocketKV,
+Behnam et al., 2025, arXiv:2502.14051, Secs. 3.1 and 4.1; the upper bound that Quest, SparQ and RocketKV's HSA
+approximate). Nothing is evicted; reading every key to rank them costs a full pass, so this is a fidelity
+reference, not a speed-up.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``hsa`` selector — RocketKV's hybrid sparse attention (``papers/rocketkv.txt`` Sec. 3.4, Algorithm 1,
-Sec. 3.6 for the budgets), the second stage of ``rocketkv`` / ``rocketkv_mt``.
+"""``hsa`` selector — RocketKV's hybrid sparse attention (Behnam et al., 2025, arXiv:2502.14051,
+Sec. 3.4, Algorithm 1, Sec. 3.6 for the budgets), the second stage of ``rocketkv`` / ``rocketkv_mt``.
 
 Per decoding step and KV group (Algorithm 1; sums over the group so all its heads select the same):
 

@@ -1,5 +1,6 @@
 """``quest`` selector (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
-Inference", Sec. 3.2–3.3), budgeted as RocketKV does (``papers/rocketkv.txt`` Sec. 3.6 and App. A).
+Inference", arXiv:2406.10774, Sec. 3.2–3.3), budgeted as RocketKV (Behnam et al., 2025, arXiv:2502.14051)
+does (Sec. 3.6 and App. A.3).
 
 Keys are grouped into pages of ``page_size`` consecutive held entries with element-wise ``Kmax``/``Kmin``
 (:class:`~kvsieve.cache.pages.PageMinMax`, updated as tokens arrive). For each query head the page upper

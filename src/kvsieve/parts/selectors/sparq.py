@@ -1,5 +1,5 @@
-"""``sparq`` selector (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference", Alg. 1),
-budgeted as RocketKV does (``papers/rocketkv.txt`` Sec. 3.6 and App. A).
+"""``sparq`` selector (Ribar et al. 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference",
+arXiv:2312.04985, Alg. 1), budgeted as RocketKV (Behnam et al., 2025, arXiv:2502.14051) does (Sec. 3.6 and App. A.3).
 
 Per decoding step (Alg. 1):
 

@@ -1,6 +1,6 @@
 """What the decoding-time sparse selectors share (Quest, SparQ, HSA): budgets, per-store state, page→token top-k.
 
-**Token budget** (RocketKV, ``papers/rocketkv.txt`` Sec. 3.6): ``t`` counts *all* KV traffic of one
+**Token budget** (RocketKV, Behnam et al., 2025, arXiv:2502.14051, Sec. 3.6): ``t`` counts *all* KV traffic of one
 decoding step of one KV group, in key+value pairs (``2·d`` elements), the approximation step included;
 it is split evenly: ``t/2`` for approximating the scores and ``t/2`` tokens for exact attention.
 Compression ratio ``c = N / t`` for ``N`` held entries. When ``t ≥ N`` a selector attends to everything
