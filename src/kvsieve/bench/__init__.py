@@ -4,8 +4,9 @@
 (:mod:`kvsieve.bench.worker`) with the primitives of :mod:`kvsieve.bench.measure`.
 """
 
-from kvsieve.bench.measure import cache_stats, decode_tokens_per_s, make_cache, prompt_ids, timed_prefill
+from kvsieve.bench.measure import decode_tokens_per_s, make_cache, prompt_ids, timed_prefill
 from kvsieve.bench.runner import BenchConfig, run_bench, summarize
+from kvsieve.engine.stats import cache_stats
 
 __all__ = [
     "BenchConfig",

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from kvsieve.bench.measure import (
-    cache_stats,
     decode_latencies,
     make_cache,
     peak_rss_bytes,
@@ -29,7 +28,8 @@ from kvsieve.bench.measure import (
     rss_bytes,
     timed_prefill,
 )
-from kvsieve.eval.model_loader import load_model
+from kvsieve.engine.stats import cache_stats
+from kvsieve.models.loading import load_model
 
 RESULT_MARKER = "KVSIEVE_BENCH_RESULT "
 
