@@ -227,6 +227,23 @@ def test_niah_records_are_the_sweep_records_of_the_needle_kind(tiny, tokenizer):
     assert cells[0]["policy_desc"] == "DynamicCache"
 
 
+def test_eval_sweep_runs_the_niah_task(tmp_path):
+    """``kvsieve eval --tasks niah``: the same cells as ``kvsieve niah``, in a sweep folder with its summary."""
+    from kvsieve.eval.runner import run_sweep
+    from kvsieve.eval.sweep_config import SweepConfig
+    from kvsieve.policies.spec import PolicySpec
+
+    config = SweepConfig(policies=[PolicySpec("snapkv")], budgets=[32], tasks=["niah"], lengths=[128], samples=2,
+                         output_dir=str(tmp_path / "eval"), workers=1, threads=1, model="tiny-llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcome = run_sweep(config, progress=False)
+    assert (outcome.ran, outcome.failed) == (4, 0)
+    full, snap = (next(r for r in outcome.rows if r["policy"] == p) for p in ("full", "snapkv"))
+    assert full["kv_ratio"] == 1.0 and 0 < snap["kv_ratio"] < 1
+    assert full["samples"] == snap["samples"] == 2
+
+
 def test_niah_progress_is_one_short_line(tiny, tokenizer, capsys):
     """The postfix used to carry every configuration's running hit count, thousands of characters long."""
     from kvsieve.eval.niah import run_niah

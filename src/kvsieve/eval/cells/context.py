@@ -16,6 +16,7 @@ from kvsieve.eval.metrics import answer_logprob, mean_kl
 from kvsieve.eval.passes import forward_logits
 from kvsieve.eval.reference import fingerprint, load_reference, reference_path, save_reference
 from kvsieve.eval.tasks import Task, TaskSample
+from kvsieve.models.architectures import model_info
 
 #: A cache filled by a shared prefill: ``(cache, last-position logits (vocab,), seconds, caches sharing it)``.
 Prefilled = tuple[Cache, torch.Tensor, float, int]
@@ -63,9 +64,9 @@ class CellContext:
             path = reference_path(self.reference_dir, self.sample)
             save_reference(path, tensors, fingerprint(self.model, self.sample, extra))
 
-    def full_kv_bytes(self, cache: Any, tokens: int) -> int:
+    def full_kv_bytes(self, tokens: int) -> int:
         """Keys and values a full cache holds after ``tokens`` tokens (sliding layers: their window)."""
-        info = cache.info
+        info = model_info(self.model)
         element = torch.empty((), dtype=next(self.model.parameters()).dtype).element_size()
         per_token = info.num_kv_heads * info.head_dim * 2 * element
         held = sum(tokens if w is None else min(tokens, w - 1) for w in info.sliding_windows)

@@ -60,7 +60,7 @@ def generate_cell(cell: CellContext) -> dict[str, Any]:
         "generated_tokens": len(gen.ids),
         **answer_fields(rows, ref, sample.answer_ids),
         "kv_bytes_held": held,
-        "kv_bytes_full": cell.full_kv_bytes(cache, sample.prompt_tokens),
+        "kv_bytes_full": cell.full_kv_bytes(sample.prompt_tokens),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "reference_cached": cached,

@@ -96,7 +96,7 @@ def multiturn_cell(cell: CellContext) -> dict[str, Any]:
         "turn_answer_logprobs_full": [float(full_lp[a:b].sum()) for a, b in pairwise(bounds)],
         "turn_kl": [float(kl[a:b].mean()) for a, b in pairwise(bounds)],
         "kv_bytes_held": held,
-        "kv_bytes_full": cell.full_kv_bytes(cache, sample.prompt_tokens),
+        "kv_bytes_full": cell.full_kv_bytes(sample.prompt_tokens),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "reference_cached": cached,

@@ -100,8 +100,16 @@ def score_sample(
 
 
 def needle_cell(cell: CellContext) -> dict[str, Any]:
-    """:func:`score_sample` of the cell, with ``score`` (exact match as 0/1) and the ``answer``."""
+    """:func:`score_sample` of the cell, with what a sweep's summary reads: ``score`` (exact match as 0/1),
+    ``answer``, ``references``, ``kv_bytes_held`` (= ``kv_bytes``) and ``kv_bytes_full``."""
     prefilled = None if cell.prefilled is None else cell.prefilled[:3]
     scores = score_sample(cell.model, cell.sample, cell.make_cache, cell.task.max_new_tokens, prefilled,
                           decode=cell.tokenizer.decode)
-    return {"score": float(scores["exact_match"]), "answer": cell.sample.answer, **scores}
+    return {
+        "score": float(scores["exact_match"]),
+        "answer": cell.sample.answer,
+        "references": list(cell.sample.references),
+        **scores,
+        "kv_bytes_held": scores["kv_bytes"],
+        "kv_bytes_full": cell.full_kv_bytes(cell.sample.prompt_tokens),
+    }

@@ -98,7 +98,7 @@ def perplexity_cell(cell: CellContext) -> dict[str, Any]:
         "chunk": PPL_REFERENCE_CHUNK if cell.is_full else task.chunk,
         "prefill_tokens": prefill,
         "kv_bytes_held": cache.kv_nbytes(),
-        "kv_bytes_full": cell.full_kv_bytes(cache, len(ids) - 1),
+        "kv_bytes_full": cell.full_kv_bytes(len(ids) - 1),
         "decode_s": run_s,
         "reference_cached": cached,
     }
