@@ -2,11 +2,12 @@
 
 The one pipeline of ``kvsieve eval`` and ``kvsieve niah``: :func:`evaluate_cells` is what a sweep worker
 calls (:mod:`kvsieve.eval.backends`) and what ``kvsieve niah`` calls per sample (:mod:`kvsieve.eval.niah`);
-the per-kind work is in :mod:`kvsieve.eval.cells` (one module per task kind). Per cell:
+the per-kind work is in :mod:`kvsieve.eval.cells` (one module per task kind). Per cell of the
+``generate`` kind (the others differ in steps 3 and 4, see their modules):
 
 1. build sample ``sample_index`` of the task (deterministic in task, length, seed, index);
 2. prefill the prompt once on ``KVCache(model, policy, budget=budget, **policy_params)`` (``"full"``:
-   the full cache) with ``logits_to_keep=1``;
+   the full cache; transformers' ``DynamicCache`` for the ``needle`` kind) with ``logits_to_keep=1``;
 3. teacher-force the canonical answer and greedy-decode, both from that one prefill: under the
    ``prefill`` schedule the answer is fed in one forward on a ``copy.deepcopy`` of the prefilled cache;
    when the policy acts during decoding (``decode``/``blockwise`` schedules, ``exact_topk``) the answer
