@@ -30,7 +30,7 @@ RESULTS = Path(__file__).parent / "results" / "blockwise.json"
 
 
 def _prompt(tokenizer, tokens: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    from kvsieve.eval.haystack import load_essays
+    from kvsieve.models.haystack import load_essays
 
     ids = tokenizer(load_essays(), add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < tokens:

@@ -165,7 +165,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- inputs
 def essay_token_pool(tokenizer: Any, tokens: int) -> torch.Tensor:
     """At least ``tokens`` token ids of the essay haystack, 1-D."""
-    from kvsieve.eval.haystack import load_essays
+    from kvsieve.models.haystack import load_essays
 
     ids = tokenizer(load_essays(), add_special_tokens=False)["input_ids"]
     if len(ids) < tokens:

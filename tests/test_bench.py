@@ -12,7 +12,7 @@ from kvsieve.bench import runner, worker
 from kvsieve.bench.runner import FIGURES, BenchConfig, run_bench
 from kvsieve.bench.worker import run_configuration
 from kvsieve.cli import build_parser
-from kvsieve.eval.model_loader import load_model
+from kvsieve.models.loading import load_model
 
 TINY = BenchConfig(model="tiny-llama", policies=["snapkv"], budget=32, lengths=[64, 96],
                    batches=[1, 2], steps=2, warmup=1, repeats=2)

@@ -177,33 +177,78 @@ def test_cells_validate_every_policy_before_work(tiny, tokenizer):
 
 
 def test_niah_shared_prefill_matches_separate_scoring(tiny, tokenizer):
-    from kvsieve.eval.niah import make_passkey_sample, run_niah, score_sample
+    from kvsieve.eval.cells.needle import score_sample
+    from kvsieve.eval.niah import run_niah
+    from kvsieve.eval.tasks.passkey_prompt import make_passkey_sample
 
+    caches = {
+        "full": ("full", None, None),
+        "snapkv": ("snapkv", 32, None),
+        "h2o": ("h2o", 32, {"schedule": "decode"}),
+        "tova_bw": ("tova", 32, {"schedule": "blockwise", "block_size": 64}),
+    }
     factories = {
         "full": lambda: None,
         "snapkv": lambda: KVCache(tiny, "snapkv", budget=32),
         "h2o": lambda: KVCache(tiny, "h2o", budget=32, schedule="decode"),
         "tova_bw": lambda: KVCache(tiny, "tova", budget=32, schedule="blockwise", block_size=64),
     }
-    records = run_niah(tiny, tokenizer, lengths=[256], depths=[0.5], make_cache_fns=factories, progress=False,
-                       max_new_tokens=4)
+    records = run_niah(tiny, tokenizer, lengths=[256], depths=[0.5], caches=caches, progress=False, max_new_tokens=4)
     sample = make_passkey_sample(tokenizer, 256, 0.5, 0)
     volatile = ("prefill_s", "decode_s_per_token", "teacher_forced_s", "prefill_shared")
     for record in records:
         alone = score_sample(tiny, sample, factories[record["name"]], max_new_tokens=4)
-        assert {k: v for k, v in alone.items() if k not in volatile} == {
-            k: record[k] for k in alone if k not in volatile
+        assert {k: v for k, v in alone.items() if k not in volatile and k != "generated_ids"} == {
+            k: record[k] for k in alone if k not in volatile and k != "generated_ids"
         }
+        assert (record["context_tokens"], record["depth"], record["seed"]) == (256, 0.5, 0)
     assert {r["name"]: r["prefill_shared"] for r in records} == {"full": 1, "snapkv": 2, "h2o": 2, "tova_bw": 1}
+
+
+def test_niah_records_are_the_sweep_records_of_the_needle_kind(tiny, tokenizer):
+    """``kvsieve niah`` is a sweep of the shared cells: its records are evaluate_cells' of the ``niah`` task."""
+    from kvsieve.eval.evaluate import evaluate_cells
+    from kvsieve.eval.niah import RECORD_FIELDS, run_niah
+    from kvsieve.eval.tasks.passkey import NiahGrid
+
+    caches = {"full": ("full", None, None), "snapkv@32": ("snapkv", 32, None)}
+    records = run_niah(tiny, tokenizer, lengths=[128], depths=[0.2, 0.8], seeds=[3], caches=caches, progress=False,
+                       max_new_tokens=3)
+    assert [(r["name"], r["depth"]) for r in records] == [("full", 0.2), ("snapkv@32", 0.2), ("full", 0.8),
+                                                          ("snapkv@32", 0.8)]
+    cells = evaluate_cells(tiny, tokenizer, NiahGrid(depths=(0.2, 0.8), max_new_tokens=3), list(caches.values()),
+                           128, 1, 3)
+    volatile = ("prefill_s", "decode_s_per_token", "teacher_forced_s")
+    for record, cell in zip(records[2:], cells, strict=True):
+        assert cell["task"] == "niah" and cell["score"] == float(cell["exact_match"])
+        assert {k: record[k] for k in RECORD_FIELDS if k not in volatile} == {
+            k: cell[k] for k in RECORD_FIELDS if k not in volatile
+        }
+    assert cells[0]["policy_desc"] == "DynamicCache"
+
+
+def test_eval_sweep_runs_the_niah_task(tmp_path):
+    """``kvsieve eval --tasks niah``: the same cells as ``kvsieve niah``, in a sweep folder with its summary."""
+    from kvsieve.eval.runner import run_sweep
+    from kvsieve.eval.sweep_config import SweepConfig
+    from kvsieve.policies.spec import PolicySpec
+
+    config = SweepConfig(policies=[PolicySpec("snapkv")], budgets=[32], tasks=["niah"], lengths=[128], samples=2,
+                         output_dir=str(tmp_path / "eval"), workers=1, threads=1, model="tiny-llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcome = run_sweep(config, progress=False)
+    assert (outcome.ran, outcome.failed) == (4, 0)
+    full, snap = (next(r for r in outcome.rows if r["policy"] == p) for p in ("full", "snapkv"))
+    assert full["kv_ratio"] == 1.0 and 0 < snap["kv_ratio"] < 1
+    assert full["samples"] == snap["samples"] == 2
 
 
 def test_niah_progress_is_one_short_line(tiny, tokenizer, capsys):
     """The postfix used to carry every configuration's running hit count, thousands of characters long."""
     from kvsieve.eval.niah import run_niah
 
-    factories = {"full": lambda: None, **{f"snapkv@{b}": (lambda b=b: KVCache(tiny, "snapkv", budget=b))
-                                          for b in (32, 48, 64, 96, 112)}}
-    run_niah(tiny, tokenizer, lengths=[128], depths=[0.2, 0.8], make_cache_fns=factories, progress=True,
-             max_new_tokens=2)
+    caches = {"full": ("full", None, None), **{f"snapkv@{b}": ("snapkv", b, None) for b in (32, 48, 64, 96, 112)}}
+    run_niah(tiny, tokenizer, lengths=[128], depths=[0.2, 0.8], caches=caches, progress=True, max_new_tokens=2)
     updates = [u for u in capsys.readouterr().err.replace("\r", "\n").splitlines() if u.startswith("niah")]
     assert updates and max(len(u) for u in updates) < 120, max(updates, key=len)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvsieve import KVCache
-from kvsieve.eval.niah import make_passkey_sample, score_sample
+from kvsieve.eval.cells.needle import score_sample
+from kvsieve.eval.tasks.passkey_prompt import make_passkey_sample
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ from kvsieve.cli import main
 from kvsieve.eval.commands import config_values
 from kvsieve.eval.results import read_records, record_key
 from kvsieve.eval.runner import expand_cells, run_sweep
-from kvsieve.eval.sweep_config import PolicySpec, SweepConfig, SweepConfigError, build_config, validate_config
+from kvsieve.eval.sweep_config import SweepConfig, SweepConfigError, build_config, validate_config
+from kvsieve.policies.spec import PolicySpec, PolicySpecError
 
 TIMING = ("elapsed_s", "prefill_s", "decode_s")
 
@@ -139,8 +140,10 @@ def test_validation_happens_before_any_work(tmp_path: Path) -> None:
     assert not (tmp_path / "sweep").exists()
     with pytest.raises(SweepConfigError, match="unknown sweep setting 'budget'"):
         build_config({"budget": 3})
-    with pytest.raises(SweepConfigError, match="give budgets with 'budgets'"):
+    with pytest.raises(PolicySpecError, match="give budgets with 'budgets'"):
         PolicySpec.parse({"name": "snapkv", "budget": 3})
+    with pytest.raises(SweepConfigError, match="give budgets with 'budgets'"):
+        build_config({"policies": ["snapkv:budget=3"]})
 
 
 def test_yaml_config_and_flag_overrides(tmp_path: Path) -> None:

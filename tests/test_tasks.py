@@ -171,3 +171,17 @@ def test_continuation_moves_the_space_before_digits(tokenizer):
 def test_closest_count_brackets_and_bisects():
     assert closest_count(lambda n: 7 * n + 3, 1000, 1) == 142  # 997 vs 1004
     assert closest_count(lambda n: 7 * n + 3, 5, 1) == 1
+
+
+def test_niah_grid_is_the_niah_commands_grid(tokenizer):
+    """Sample ``index`` at ``seed``: depth ``depths[index % 3]``, pass key drawn with ``seed + index // 3``."""
+    from kvsieve.eval.tasks.passkey_prompt import make_passkey_sample
+
+    task = TASKS["niah"]
+    assert task.kind == "needle" and task.depths == (0.1, 0.5, 0.9)  # type: ignore[attr-defined]
+    for index, (depth, seed) in enumerate([(0.1, 4), (0.5, 4), (0.9, 4), (0.1, 5)]):
+        sample = task.make_sample(tokenizer, 256, index, 4)
+        expected = make_passkey_sample(tokenizer, 256, depth, seed)
+        assert sample.meta["depth"] == depth and sample.references == [expected.answer]
+        assert (sample.prompt_ids, sample.answer_ids) == (expected.prompt_ids, expected.answer_ids)
+        assert (sample.meta["needle_start"], sample.meta["needle_end"]) == (expected.needle_start, expected.needle_end)

@@ -7,7 +7,7 @@ Run: ``PYTHONPATH=src OMP_NUM_THREADS=1 python docs/results/issue13/needle_digit
 import torch
 
 import kvsieve
-from kvsieve.eval.niah import make_passkey_sample
+from kvsieve.eval.tasks.passkey_prompt import make_passkey_sample
 from kvsieve.transformers_adapter import cache_kwargs
 
 torch.set_num_threads(1)

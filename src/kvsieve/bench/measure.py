@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from kvsieve.engine.kv_cache import KVCache
-from kvsieve.eval.haystack import load_essays
+from kvsieve.models.haystack import load_essays
 from kvsieve.transformers_adapter import cache_kwargs
 
 FULL = "full"

@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from kvsieve.bench.worker import RESULT_MARKER
-from kvsieve.eval.model_loader import DEFAULT_MODEL, parse_dtype, validate_model_name
-from kvsieve.eval.sweep_config import PolicySpec
-from kvsieve.models.loading import resolve_device
+from kvsieve.models.loading import DEFAULT_MODEL, parse_dtype, resolve_device
+from kvsieve.models.names import validate_model_name
+from kvsieve.policies.spec import PolicySpec
 from kvsieve.result_files import check_output_file, write_json_atomic
 
 FULL = "full"

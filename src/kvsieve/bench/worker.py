@@ -29,7 +29,7 @@ from kvsieve.bench.measure import (
     timed_prefill,
 )
 from kvsieve.engine.stats import cache_stats
-from kvsieve.eval.model_loader import load_model
+from kvsieve.models.loading import load_model
 
 RESULT_MARKER = "KVSIEVE_BENCH_RESULT "
 

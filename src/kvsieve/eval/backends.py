@@ -76,7 +76,7 @@ def _model_for(job: Job) -> tuple[Any, Any]:
         return None, None
     key = (job.model, job.dtype, job.device)
     if key not in _LOADED:
-        from kvsieve.eval.model_loader import load_model
+        from kvsieve.models.loading import load_model
 
         _LOADED.clear()  # one model per worker process
         _LOADED[key] = load_model(job.model, job.dtype, job.device)

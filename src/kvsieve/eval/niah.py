@@ -1,329 +1,34 @@
-"""Passkey retrieval in Paul Graham's essays ("needle in a haystack").
+"""``kvsieve niah`` as a ready-made sweep: the passkey grid ``length × depth × seed`` × caches, run by the
+same cell machinery as ``kvsieve eval`` (:func:`kvsieve.eval.evaluate.evaluate_cells`, cell kind
+``needle``), and its summary table.
 
-A sample is a plain completion prompt (no chat template: plain completion retrieves better on small
-instruct models such as SmolLM2-135M-Instruct)::
-
-    There is an important piece of information hidden inside a lot of irrelevant text. Find it and
-    memorize it. I will quiz you about the pass key.
-
-    <essay text ... The pass key is 68231. Remember it. 68231 is the pass key. ... essay text>
-
-    What is the pass key? The pass key is ␣
-
-ending in a space (shown as ␣) where the tokenizer gives the space before a number a token of its
-own, as SmolLM2's does; the answer is then the bare digits ``68231`` (one token per digit). With
-other tokenizers the prompt ends at "is" and the answer is `` 68231``. The needle sits at a sentence
-boundary at relative ``depth`` of the essay text (0.0 = start, 1.0 = end); the pass key and the
-essay the text starts at are drawn from ``seed``.
-
-Naming "the pass key" in the instruction matters: with the classic "...quiz you about the important
-information there." SmolLM2-135M picked up other numbers of a number-heavy essay (3 misses in 27
-samples at 2k-4k); naming it fixed those and raised the answer log-probs.
-
-:func:`score_sample` greedy-decodes and teacher-forces the answer with plain forward calls on
-whatever cache ``make_cache`` builds, so the same code scores a full cache and any compressed one.
+Each sample of the grid is one group of cells, as a sweep worker gets it: the sample is built once
+(:class:`kvsieve.eval.tasks.passkey.NiahGrid`), the full cache (transformers' ``DynamicCache``) runs
+first, and every ``KVCache`` not under the ``blockwise`` schedule is filled by one shared prompt
+forward. The records keep the fields ``kvsieve niah`` has always written (:data:`RECORD_FIELDS`).
 """
 
 from __future__ import annotations
 
-import bisect
-import copy
-import random
-import re
 import sys
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
 from tqdm import tqdm
-from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.engine.kv_cache import KVCache
-from kvsieve.engine.shared_prefill import prefill_shared
-from kvsieve.engine.stats import cache_stats
-from kvsieve.eval.haystack import load_essay_texts
-from kvsieve.transformers_adapter import cache_kwargs
+from kvsieve.eval.evaluate import CellSpec, evaluate_cells
+from kvsieve.eval.tasks.passkey import NiahGrid
 
-PREFIX = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about the pass key.\n\n"
+#: The full cache alone (what :func:`run_niah` scores without ``caches``).
+FULL_ONLY: Mapping[str, CellSpec] = {"full": ("full", None, None)}
+#: The fields of a ``kvsieve niah`` record, in order (``name`` and ``context_tokens`` first).
+RECORD_FIELDS = (
+    "depth", "seed", "prompt_tokens", "needle_start", "needle_end", "answer", "exact_match", "contains",
+    "generated", "generated_ids", "answer_logprob", "answer_logprob_per_token", "answer_token_logprobs",
+    "argmax_match", "prefill_s", "decode_s_per_token", "teacher_forced_s", "kv_bytes", "prefill_shared",
 )
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-SUFFIX = "\n\nWhat is the pass key? The pass key is"
-
-# Paragraph breaks lost in the files: "slow.We", "better.A super", "good.[2]So", "2010What".
-_GLUED_PARAGRAPH = re.compile(r"([a-z][.!?][\"')]?|[.!?]\[\d+\]|\b(?:19|20)\d\d)([A-Z](?:[a-z]|\s))")
-_CP1252 = str.maketrans({"\x97": "—", "\x96": "–", "\x92": "'", "\x93": '"', "\x94": '"', "\xa0": " "})
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?:\[\d+\])?(?=\s)")
-_DIGITS = re.compile(r"\d+")
-
-
-@dataclass(frozen=True)
-class NeedleSample:
-    """One passkey-retrieval prompt and its expected answer.
-
-    ``needle_start``/``needle_end`` delimit (end exclusive) the prompt tokens that overlap the
-    needle sentence; ``decode`` turns generated ids back into text (the tokenizer's ``decode``).
-    """
-
-    prompt_ids: list[int]
-    answer: str
-    answer_ids: list[int]
-    context_tokens: int
-    depth: float
-    seed: int
-    needle_start: int
-    needle_end: int
-    prompt: str = field(repr=False)
-    decode: Callable[[Sequence[int]], str] = field(repr=False, compare=False)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Actual prompt length in tokens (within 2% of ``context_tokens``)."""
-        return len(self.prompt_ids)
-
-
-@lru_cache(maxsize=8)
-def _haystack_source(start: int) -> str:
-    """Essays from index ``start`` on (wrapping round), cleaned: paragraphs restored, lines unwrapped."""
-    essays = load_essay_texts()
-    text = "\n\n".join(essays[start:] + essays[:start]).translate(_CP1252)
-    text = _GLUED_PARAGRAPH.sub(r"\1\n\n\2", text)
-    paragraphs = (" ".join(p.split()) for p in re.split(r"\n\s*\n", text))
-    return "\n\n".join(p for p in paragraphs if p)
-
-
-def _insert(text: str, at: int, needle: str) -> tuple[str, int]:
-    """``text`` with ``needle`` inserted at char ``at`` (a sentence boundary), and the needle's offset."""
-    if at <= 0:
-        return f"{needle} {text}", 0
-    if at >= len(text):
-        return f"{text} {needle}", len(text) + 1
-    return f"{text[:at]} {needle}{text[at:]}", at + 1
-
-
-def _closest(positions: Sequence[int], counts: Sequence[int], goal: float) -> int:
-    """The position whose token count is closest to ``goal`` (the first one on ties)."""
-    best = min(range(len(positions)), key=lambda i: abs(counts[i] - goal))
-    return positions[best]
-
-
-def _token_span(offsets: Sequence[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
-    """Indices (end exclusive) of the tokens overlapping chars ``[start, end)``."""
-    hits = [i for i, (s, e) in enumerate(offsets) if e > s and e > start and s < end]
-    return hits[0], hits[-1] + 1
-
-
-def _split_suffix(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[str, str]:
-    """The prompt's ending and the answer's text, with the space before the digits placed so that
-    ``prompt + answer`` tokenizes as ``prompt_ids + answer_ids``.
-
-    Where the space before a number is a token of its own (SmolLM2: ``"is 68231"`` is
-    ``Ġis Ġ 6 8 2 3 1``, in the needle as in the answer), the space ends the prompt and the answer is
-    the bare digits: the model then continues straight into the number, instead of spreading its
-    first step over " a", " the", " " (measured: log-prob of " " alone -2 to -4 at 2k-4k tokens).
-    Otherwise (tokenizers that merge "▁6") the answer keeps its leading space.
-    """
-    spaced = tokenizer(SUFFIX + " ", add_special_tokens=False).input_ids
-    full = tokenizer(f"{SUFFIX} {key}", add_special_tokens=False).input_ids
-    if full[: len(spaced)] == spaced and len(full) > len(spaced):
-        return SUFFIX + " ", key
-    return SUFFIX, " " + key
-
-
-def _answer_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, prompt_ids: list[int], answer: str) -> list[int]:
-    """Tokens of ``answer`` as they continue ``prompt`` (what greedy decoding would emit)."""
-    full = tokenizer(prompt + answer).input_ids
-    if full[: len(prompt_ids)] == prompt_ids and len(full) > len(prompt_ids):
-        return list(full[len(prompt_ids) :])
-    return list(tokenizer(answer, add_special_tokens=False).input_ids)
-
-
-def make_passkey_sample(
-    tokenizer: PreTrainedTokenizerBase, context_tokens: int, depth: float, seed: int
-) -> NeedleSample:
-    """Build a passkey prompt of ``context_tokens`` tokens (±2%) with the needle at relative ``depth``.
-
-    The prompt is tokenized with the tokenizer's own special tokens (none for SmolLM2). The pass key
-    is five digits and the essays start at an essay chosen by ``seed``; both are deterministic.
-    """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    rng = random.Random(seed)
-    key = str(rng.randint(10_000, 99_999))
-    needle = NEEDLE.format(key=key)
-    source = _haystack_source(rng.randrange(len(load_essay_texts())))
-    window = source
-    while len(window) < 8 * context_tokens:
-        window = f"{window}\n\n{source}"
-    window = window[: 8 * context_tokens]
-    window_enc = tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)
-    ends = [e for _, e in window_enc["offset_mapping"]]
-    boundaries = [m.end() for m in _SENTENCE_END.finditer(window)]
-    suffix, answer_text = _split_suffix(tokenizer, key)
-    overhead = len(tokenizer(PREFIX + suffix).input_ids)
-    overhead += len(tokenizer(" " + needle, add_special_tokens=False).input_ids)
-    budget = context_tokens - overhead
-    if budget < 16:
-        raise ValueError(
-            f"context_tokens={context_tokens} is too short: a passkey prompt needs at least {overhead + 16}"
-        )
-    tolerance = max(1, int(0.015 * context_tokens))  # leaves slack under the promised 2%
-    best: tuple[int, str, list[int], list[tuple[int, int]], int] | None = None
-    for attempt in range(6):
-        if not 0 < budget <= len(ends):
-            raise RuntimeError(f"could not fit a {context_tokens}-token passkey prompt (text budget {budget})")
-        cut = ends[budget - 1]
-        near = boundaries[max(0, bisect.bisect_right(boundaries, cut) - 1) :][:2]
-        near_counts = [bisect.bisect_right(ends, b) for b in near]
-        if attempt < 3 and near and min(abs(c - budget) for c in near_counts) <= tolerance:
-            cut = _closest(near, near_counts, budget)  # end on a whole sentence if cheap (and it converges)
-        haystack = window[:cut].rstrip()
-        inner = [0, *(b for b in boundaries if b < len(haystack)), len(haystack)]
-        counts = [bisect.bisect_right(ends, b) for b in inner]
-        text, offset = _insert(haystack, _closest(inner, counts, depth * counts[-1]), needle)
-        prompt = PREFIX + text + suffix
-        encoded = tokenizer(prompt, return_offsets_mapping=True)
-        ids = list(encoded.input_ids)
-        miss = len(ids) - context_tokens
-        if best is None or abs(miss) < abs(best[0]):
-            best = (miss, prompt, ids, list(encoded["offset_mapping"]), len(PREFIX) + offset)
-        if abs(miss) <= tolerance:
-            break
-        budget -= miss
-    assert best is not None
-    miss, prompt, ids, offsets, needle_char = best
-    if abs(miss) > max(1, int(0.02 * context_tokens)):
-        raise RuntimeError(f"could not build a {context_tokens}-token prompt (off by {miss} tokens)")
-    start, end = _token_span(offsets, needle_char, needle_char + len(needle))
-    return NeedleSample(
-        prompt_ids=ids,
-        answer=key,
-        answer_ids=_answer_ids(tokenizer, prompt, ids, answer_text),
-        context_tokens=context_tokens,
-        depth=depth,
-        seed=seed,
-        needle_start=start,
-        needle_end=end,
-        prompt=prompt,
-        decode=tokenizer.decode,
-    )
-
-
-def _new_cache(model: PreTrainedModel, make_cache: Callable[[], Cache | None]) -> Cache:
-    cache = make_cache()
-    return DynamicCache(config=model.config) if cache is None else cache
-
-
-def _forward(model: PreTrainedModel, ids: Sequence[int], cache: Cache, keep: int) -> torch.Tensor:
-    """Float32 logits ``[tokens, vocab]`` of the last ``keep`` positions (0 = all) after feeding ``ids``."""
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
-    out = model(input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
-    if len(ids) > 1 and isinstance(cache, KVCache):
-        cache.flush()  # each prompt is compressed now, inside the timed prefill
-    return out.logits[0].float()
-
-
-def _eos_ids(model: PreTrainedModel) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
-def score_sample(
-    model: PreTrainedModel,
-    sample: NeedleSample,
-    make_cache: Callable[[], Cache | None],
-    max_new_tokens: int = 8,
-    prefilled: tuple[Cache, torch.Tensor, float] | None = None,
-) -> dict[str, Any]:
-    """Greedy retrieval and teacher-forced answer log-likelihood of one sample under ``make_cache``.
-
-    ``prefilled`` = ``(cache, last-position logits (1, vocab), seconds)`` skips the prefill (a cache
-    filled by :func:`kvsieve.engine.shared_prefill.prefill_shared`).
-
-    One prefill on a fresh cache from ``make_cache`` (None means a plain ``DynamicCache``), then two
-    continuations: greedy decoding one token per forward call, and, on a deep copy of the prefilled
-    (already compressed) cache, all answer tokens in one forward call (teacher forcing). No position
-    ids or attention mask are passed: the model derives positions from the cache length.
-
-    Returns a dict with ``exact_match`` (the first number generated is the pass key), ``contains``
-    (the pass key appears anywhere in the generation), ``generated``, ``generated_ids``,
-    ``answer_logprob`` (sum over ``answer_ids``), ``answer_logprob_per_token``,
-    ``answer_token_logprobs``, ``argmax_match`` (teacher-forced argmax equals every answer token),
-    ``prefill_s``, ``decode_s_per_token``, ``teacher_forced_s`` (the one-call answer pass on the copy) and
-    ``kv_bytes`` (keys and values held right after the prefill).
-    """
-    eos = _eos_ids(model)
-    with torch.inference_mode():
-        if prefilled is not None:
-            cache, first, prefill_s = prefilled
-        else:
-            cache = _new_cache(model, make_cache)
-            started = time.perf_counter()
-            first = _forward(model, sample.prompt_ids, cache, 1)
-            prefill_s = time.perf_counter() - started
-        kv_bytes = cache_stats(cache)["kv_bytes"]  # what the prefilled (compressed) cache holds
-        # The teacher-forced pass continues from a copy of the prefilled (already compressed) cache.
-        forced_cache = copy.deepcopy(cache)
-        logits = first[-1]
-        generated: list[int] = []
-        started = time.perf_counter()
-        while len(generated) < max_new_tokens:
-            generated.append(int(logits.argmax()))
-            if generated[-1] in eos or len(generated) == max_new_tokens:
-                break
-            logits = _forward(model, generated[-1:], cache, 1)[-1]
-        decode_s = time.perf_counter() - started
-        del cache
-
-        started = time.perf_counter()
-        rest = _forward(model, sample.answer_ids, forced_cache, 0)
-        logits = torch.cat([first, rest[:-1]])  # row i predicts answer_ids[i]
-        target = torch.tensor(sample.answer_ids, device=logits.device)
-        token_lp = logits.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
-        argmax_match = bool((logits.argmax(-1) == target).all())
-        teacher_forced_s = time.perf_counter() - started
-        del forced_cache
-
-    text = sample.decode(generated)
-    number = _DIGITS.search(text)
-    total = float(token_lp.sum())
-    return {
-        "exact_match": number is not None and number.group() == sample.answer,
-        "contains": sample.answer in text,
-        "generated": text,
-        "generated_ids": generated,
-        "answer_logprob": total,
-        "answer_logprob_per_token": total / len(sample.answer_ids),
-        "answer_token_logprobs": [float(x) for x in token_lp],
-        "argmax_match": argmax_match,
-        "prefill_s": prefill_s,
-        "decode_s_per_token": decode_s / max(1, len(generated) - 1),
-        "teacher_forced_s": teacher_forced_s,
-        "kv_bytes": kv_bytes,
-    }
-
-
-def _shared_prefill(
-    model: PreTrainedModel, sample: NeedleSample, factories: Mapping[str, Callable[[], Cache | None]]
-) -> dict[str, tuple[Cache, torch.Tensor, float]]:
-    """Fill every shareable ``KVCache`` of ``factories`` from one prompt forward (none if fewer than two)."""
-    caches = {name: make() for name, make in factories.items()}
-    names = [n for n, c in caches.items() if isinstance(c, KVCache) and c.policy.schedule.name != "blockwise"]
-    if len(names) < 2:
-        return {}
-    ids = torch.tensor([list(sample.prompt_ids)], dtype=torch.long, device=model.device)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        out = prefill_shared(model, ids, [caches[n] for n in names], logits_to_keep=1)
-        seconds = time.perf_counter() - started
-    first = out.logits[0].float()
-    return {name: (caches[name], first, seconds) for name in names}
 
 
 def run_niah(
@@ -332,53 +37,96 @@ def run_niah(
     lengths: Iterable[int] = (1024, 2048, 4096),
     depths: Iterable[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
     seeds: Iterable[int] = (0,),
-    make_cache_fns: Mapping[str, Callable[[], Cache | None]] | None = None,
+    caches: Mapping[str, CellSpec] = FULL_ONLY,
     progress: bool = True,
     max_new_tokens: int = 8,
     on_sample: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Score every (cache name, length, depth, seed); one record per combination.
 
-    ``on_sample`` is called with every record so far after each sample's caches are scored (to save
-    partial results as the run goes).
-
-    ``make_cache_fns`` maps a name to a cache factory (default ``{"full": lambda: None}``, a plain
-    ``DynamicCache``). Each record holds ``name``, ``context_tokens``, ``depth``, ``seed``,
-    ``prompt_tokens``, ``needle_start``, ``needle_end``, ``answer`` and the :func:`score_sample` fields.
-    Samples are built once and shared by all caches; on each sample, every ``KVCache`` whose prompt
-    forward does not depend on its policy (all but the ``blockwise`` schedule) is filled by one shared
-    forward (:func:`kvsieve.engine.shared_prefill.prefill_shared`; ``prefill_shared`` in the record
-    counts the caches, ``prefill_s`` is that forward's time). Progress goes to stderr.
+    ``caches`` maps a name (the record's ``name``) to ``(policy, budget, policy_params)``; ``("full",
+    None, None)`` is the full cache. ``on_sample`` is called with every record so far after each
+    sample's caches are scored (to save partial results as the run goes). Each record holds ``name``,
+    ``context_tokens`` and :data:`RECORD_FIELDS`: the sample, the
+    :func:`kvsieve.eval.cells.needle.score_sample` fields and ``prefill_shared`` (how many caches one
+    prompt forward filled; ``prefill_s`` is that forward's time). Progress goes to stderr.
     """
-    factories: Mapping[str, Callable[[], Cache | None]] = make_cache_fns or {"full": lambda: None}
-    samples = [
-        make_passkey_sample(tokenizer, length, depth, seed) for length in lengths for depth in depths for seed in seeds
-    ]
+    task = NiahGrid(depths=tuple(depths), max_new_tokens=max_new_tokens)
+    grid = [(length, index, seed) for length in lengths for index in range(len(task.depths)) for seed in seeds]
+    names, specs = list(caches), list(caches.values())
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(samples) * len(factories), file=sys.stderr, disable=not progress, desc="niah")
+    bar = tqdm(total=len(grid) * len(specs), file=sys.stderr, disable=not progress, desc="niah")
     with bar:
-        for sample in samples:
-            prefilled = _shared_prefill(model, sample, factories)
-            sharing = len(prefilled)
-            for name, make_cache in factories.items():
-                filled = prefilled.pop(name, None)
-                scores = score_sample(model, sample, make_cache, max_new_tokens, filled)
-                scores["prefill_shared"] = sharing if filled is not None else 1
-                records.append(
-                    {
-                        "name": name,
-                        "context_tokens": sample.context_tokens,
-                        "depth": sample.depth,
-                        "seed": sample.seed,
-                        "prompt_tokens": sample.prompt_tokens,
-                        "needle_start": sample.needle_start,
-                        "needle_end": sample.needle_end,
-                        "answer": sample.answer,
-                        **scores,
-                    }
-                )
-                bar.set_postfix_str(f"{name} L={sample.context_tokens} d={sample.depth}", refresh=False)
+        for length, index, seed in grid:
+            for name, record in zip(names, evaluate_cells(model, tokenizer, task, specs, length, index, seed),
+                                    strict=True):
+                records.append({"name": name, "context_tokens": length, **{k: record[k] for k in RECORD_FIELDS}})
+                bar.set_postfix_str(f"{name} L={length} d={task.depths[index]}", refresh=False)
                 bar.update()
             if on_sample is not None:
                 on_sample(records)
     return records
+
+
+def _split_name(name: str) -> tuple[str, int | None]:
+    """``"snapkv@256"`` → ``("snapkv", 256)``; ``"full"`` → ``("full", None)``."""
+    policy, sep, budget = name.rpartition("@")
+    return (policy, int(budget)) if sep and budget.isdigit() else (name, None)
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (cache, context length): mean exact match, answer log-likelihood, KV bytes held and the
+    fraction of the full cache's, mean decoding seconds per token and the speed relative to the full cache."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        groups[(rec["name"], rec["context_tokens"])].append(rec)
+    rows = []
+    for (name, length), recs in groups.items():
+        policy, budget = _split_name(name)
+        kv = [r["kv_bytes"] for r in recs if r.get("kv_bytes") is not None]
+        rows.append({
+            "name": name,
+            "policy": policy,
+            "budget": budget,
+            "context_tokens": length,
+            "samples": len(recs),
+            "exact_match": sum(r["exact_match"] for r in recs) / len(recs),
+            "answer_logprob": sum(r["answer_logprob"] for r in recs) / len(recs),
+            "kv_bytes": sum(kv) / len(kv) if kv else None,
+            "decode_s_per_token": sum(r["decode_s_per_token"] for r in recs) / len(recs),
+        })
+    for row in rows:
+        full = next((r for r in rows if r["name"] == "full" and r["context_tokens"] == row["context_tokens"]), None)
+        has_kv = full is not None and full["kv_bytes"] and row["kv_bytes"] is not None
+        row["kv_fraction"] = row["kv_bytes"] / full["kv_bytes"] if has_kv else None  # type: ignore[index]
+        speed = full is not None and row["decode_s_per_token"] > 0
+        row["decode_speed_vs_full"] = full["decode_s_per_token"] / row["decode_s_per_token"] if speed else None  # type: ignore[index]
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (cache, length): budget, KV held, exact match, log-likelihood, decoding speed vs full.
+
+    Rows are grouped by context length, the full cache first, then policy by policy in ascending budget.
+    """
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))}
+    ranked = sorted(rows, key=lambda r: (r["context_tokens"], r["policy"] != "full", order.get(r["policy"], -1),
+                                         r["budget"] or 0))
+    width = max(12, *(len(r["policy"]) for r in rows)) + 1
+    head = (f"{'policy':<{width}} {'tokens':>6} {'budget':>6} {'KV MiB':>7} {'% full':>6} {'EM':>5} "
+            f"{'logp':>7} {'ms/tok':>7} {'speed':>6}")
+    lines = [head, "-" * len(head)]
+    previous = None
+    for r in ranked:
+        if previous is not None and r["policy"] != previous:
+            lines.append("")
+        previous = r["policy"]
+        kv = "" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 2**20:7.2f}"
+        frac = "" if r["kv_fraction"] is None else f"{100 * r['kv_fraction']:5.1f}%"
+        speed = "" if r["decode_speed_vs_full"] is None else f"{r['decode_speed_vs_full']:5.2f}x"
+        lines.append(
+            f"{r['policy']:<{width}} {r['context_tokens']:>6} {'-' if r['budget'] is None else r['budget']:>6} "
+            f"{kv:>7} {frac:>6} {100 * r['exact_match']:4.0f}% {r['answer_logprob']:7.2f} "
+            f"{1000 * r['decode_s_per_token']:7.1f} {speed:>6}"
+        )
+    return "\n".join(lines)

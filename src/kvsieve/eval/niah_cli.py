@@ -1,5 +1,9 @@
 """``kvsieve niah``: the passkey comparison (full cache, baselines, the papers' methods) over a range of
-budgets, as a table, a JSON file and a plot of exact match and answer log-likelihood vs budget."""
+budgets, as a table, a JSON file and a plot of exact match and answer log-likelihood vs budget.
+
+The command checks every flag before the model loads, warms the model up (untimed) and runs the
+ready-made sweep :func:`kvsieve.eval.niah.run_niah`, rewriting the JSON after every sample.
+"""
 
 from __future__ import annotations
 
@@ -9,84 +13,21 @@ import platform
 import sys
 import time
 import warnings
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvsieve.eval.evaluate import CellSpec
+from kvsieve.eval.niah import format_table, run_niah, summarize
+from kvsieve.eval.tasks.passkey import NiahGrid
 from kvsieve.policies.presets import make_policy
 from kvsieve.policies.spec import parse_policy_spec
 from kvsieve.result_files import check_output_file, write_json_atomic
 from kvsieve.transformers_adapter import cache_kwargs
 
 #: Shortest ``--lengths`` accepted: the passkey prompt's fixed parts take ~70 tokens of any common tokenizer.
-MIN_CONTEXT_TOKENS = 128
-
-
-def _split_name(name: str) -> tuple[str, int | None]:
-    """``"snapkv@256"`` → ``("snapkv", 256)``; ``"full"`` → ``("full", None)``."""
-    policy, sep, budget = name.rpartition("@")
-    return (policy, int(budget)) if sep and budget.isdigit() else (name, None)
-
-
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (cache, context length): mean exact match, answer log-likelihood, KV bytes held and the
-    fraction of the full cache's, mean decoding seconds per token and the speed relative to the full cache."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-    for rec in records:
-        groups[(rec["name"], rec["context_tokens"])].append(rec)
-    rows = []
-    for (name, length), recs in groups.items():
-        policy, budget = _split_name(name)
-        kv = [r["kv_bytes"] for r in recs if r.get("kv_bytes") is not None]
-        rows.append({
-            "name": name,
-            "policy": policy,
-            "budget": budget,
-            "context_tokens": length,
-            "samples": len(recs),
-            "exact_match": sum(r["exact_match"] for r in recs) / len(recs),
-            "answer_logprob": sum(r["answer_logprob"] for r in recs) / len(recs),
-            "kv_bytes": sum(kv) / len(kv) if kv else None,
-            "decode_s_per_token": sum(r["decode_s_per_token"] for r in recs) / len(recs),
-        })
-    for row in rows:
-        full = next((r for r in rows if r["name"] == "full" and r["context_tokens"] == row["context_tokens"]), None)
-        has_kv = full is not None and full["kv_bytes"] and row["kv_bytes"] is not None
-        row["kv_fraction"] = row["kv_bytes"] / full["kv_bytes"] if has_kv else None  # type: ignore[index]
-        speed = full is not None and row["decode_s_per_token"] > 0
-        row["decode_speed_vs_full"] = full["decode_s_per_token"] / row["decode_s_per_token"] if speed else None  # type: ignore[index]
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """One line per (cache, length): budget, KV held, exact match, log-likelihood, decoding speed vs full.
-
-    Rows are grouped by context length, the full cache first, then policy by policy in ascending budget.
-    """
-    order = {name: i for i, name in enumerate(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))}
-    ranked = sorted(rows, key=lambda r: (r["context_tokens"], r["policy"] != "full", order.get(r["policy"], -1),
-                                         r["budget"] or 0))
-    width = max(12, *(len(r["policy"]) for r in rows)) + 1
-    head = (f"{'policy':<{width}} {'tokens':>6} {'budget':>6} {'KV MiB':>7} {'% full':>6} {'EM':>5} "
-            f"{'logp':>7} {'ms/tok':>7} {'speed':>6}")
-    lines = [head, "-" * len(head)]
-    previous = None
-    for r in ranked:
-        if previous is not None and r["policy"] != previous:
-            lines.append("")
-        previous = r["policy"]
-        kv = "" if r["kv_bytes"] is None else f"{r['kv_bytes'] / 2**20:7.2f}"
-        frac = "" if r["kv_fraction"] is None else f"{100 * r['kv_fraction']:5.1f}%"
-        speed = "" if r["decode_speed_vs_full"] is None else f"{r['decode_speed_vs_full']:5.2f}x"
-        lines.append(
-            f"{r['policy']:<{width}} {r['context_tokens']:>6} {'-' if r['budget'] is None else r['budget']:>6} "
-            f"{kv:>7} {frac:>6} {100 * r['exact_match']:4.0f}% {r['answer_logprob']:7.2f} "
-            f"{1000 * r['decode_s_per_token']:7.1f} {speed:>6}"
-        )
-    return "\n".join(lines)
+MIN_CONTEXT_TOKENS = NiahGrid.min_length
 
 
 def _warm_up(model: Any, caches: list[Any]) -> None:
@@ -116,8 +57,11 @@ def _cpu_model() -> str:
 def run_niah_command(args: argparse.Namespace) -> int:
     """Validate everything, load the default model, run the grid, print and save results."""
     # Validate every policy/budget before loading anything.
-    specs = [(p, b) for p in args.policies if p != "full" for b in args.budgets]
-    built = {f"{p}@{b}": make_policy(parse_policy_spec(p)[0], budget=b, **parse_policy_spec(p)[1]) for p, b in specs}
+    parsed = {p: parse_policy_spec(p) for p in args.policies if p != "full"}
+    caches: dict[str, CellSpec] = {"full": ("full", None, None)}
+    caches.update({f"{p}@{b}": (name, b, params) for p, (name, params) in parsed.items() for b in args.budgets})
+    built = {key: make_policy(name, budget=b, **(params or {})) for key, (name, b, params) in caches.items()
+             if key != "full"}
     for length in args.lengths:
         if length < MIN_CONTEXT_TOKENS:
             raise ValueError(f"--lengths: each context length must be ≥ {MIN_CONTEXT_TOKENS} tokens (the passkey "
@@ -130,7 +74,6 @@ def run_niah_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--depths: each depth must be in [0, 1]; got {depth}")
 
     from kvsieve.engine.kv_cache import KVCache
-    from kvsieve.eval.niah import run_niah
     from kvsieve.models.arguments import check_model_args, load_model_from_args
     from kvsieve.policies.model_check import check_policies_for_model
 
@@ -144,9 +87,6 @@ def run_niah_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--lengths: {max(args.lengths)} tokens + {args.max_new_tokens} new exceed the model's "
                          f"{limit} positions (max_position_embeddings)")
     _warm_up(model, [KVCache(model, p) for p in list(built.values())[:1]])
-    factories: dict[str, Callable[[], Any]] = {"full": lambda: None}
-    for name, policy in built.items():
-        factories[name] = lambda p=policy: KVCache(model, p)
     def payload(records: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
         wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         return {
@@ -165,7 +105,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
 
     records = run_niah(
         model, tokenizer, lengths=args.lengths, depths=args.depths, seeds=args.seeds,
-        make_cache_fns=factories, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+        caches=caches, progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
         on_sample=lambda so_far: write_json_atomic(out, payload(so_far, complete=False)),
     )
     final = payload(records, complete=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 
 def plot_niah(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Draw :func:`kvsieve.eval.niah_cli.summarize`'s rows to ``path`` (PNG); returns the path."""
+    """Draw :func:`kvsieve.eval.niah.summarize`'s rows to ``path`` (PNG); returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")

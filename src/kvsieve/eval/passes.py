@@ -51,15 +51,18 @@ def teacher_force(
     first_logits: torch.Tensor,
     answer_ids: Sequence[int],
     stepwise: bool = False,
+    feed_last: bool = False,
 ) -> torch.Tensor:
     """Rows ``(len(answer_ids), vocab)`` of log-probabilities predicting each answer token.
 
     ``first_logits`` predicts ``answer_ids[0]`` (the last logits of what the cache holds); the answer's
     tokens but the last are then fed (one forward, or one per token with ``stepwise``). The last answer
-    token is *not* fed: the cache ends holding everything before it.
+    token is *not* fed: the cache ends holding everything before it. ``feed_last`` feeds it too (its
+    row is dropped): the same rows in exact arithmetic, and bit for bit the forward ``kvsieve niah`` has
+    always made (a forward of one more token may round differently).
     """
     rows = [first_logits.float().log_softmax(-1).view(1, -1)]
-    rest = list(answer_ids[:-1])
+    rest = list(answer_ids if feed_last else answer_ids[:-1])
     if rest and stepwise:
         rows += [forward_logits(model, [tok], cache, 1).log_softmax(-1) for tok in rest]
     elif rest:

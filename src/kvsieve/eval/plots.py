@@ -28,7 +28,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from kvsieve.eval.summary import mean_se, metric_value, suite_rows, summarize
-from kvsieve.eval.sweep_config import FULL, label_of
+from kvsieve.eval.sweep_config import FULL
+from kvsieve.policies.spec import label_of
 
 FORMATS = ("png", "svg")
 Record = Mapping[str, Any]

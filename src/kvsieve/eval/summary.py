@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.eval.results import params_key
-from kvsieve.eval.sweep_config import FULL, label_of
+from kvsieve.eval.sweep_config import FULL
+from kvsieve.policies.spec import label_of
 
 #: Scalar metrics summarised (``kv_ratio`` is derived: ``kv_bytes_held / kv_bytes_full``).
 METRICS = ("score", "answer_logprob", "logprob_gap", "kl_full_compressed", "nll", "ppl", "kv_ratio")

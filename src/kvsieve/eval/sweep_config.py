@@ -1,4 +1,4 @@
-"""What a sweep runs: policies × budgets × tasks × lengths × samples, from flags or a YAML file.
+r"""What a sweep runs: policies × budgets × tasks × lengths × samples, from flags or a YAML file.
 
 YAML keys are the long flag names (``output-dir`` or ``output_dir``)::
 
@@ -13,12 +13,12 @@ YAML keys are the long flag names (``output-dir`` or ``output_dir``)::
     output-dir: results/eval
 
 On the command line a policy takes parameters after colons: ``--policies snapkv,h2o:schedule=blockwise``.
-The full cache always runs as the reference (policy ``full``, budget ``None``).
+The full cache always runs as the reference (policy ``full``, budget ``None``). Policies are
+:class:`kvsieve.policies.spec.PolicySpec`\ s.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from kvsieve.eval.model_loader import DEFAULT_MODEL, parse_dtype, validate_model_name
-from kvsieve.models.loading import resolve_device
+from kvsieve.models.loading import DEFAULT_MODEL, parse_dtype, resolve_device
+from kvsieve.models.names import validate_model_name
+from kvsieve.policies.spec import PolicySpec, PolicySpecError
 
 FULL = "full"
 BACKENDS = ("local", "ray")
@@ -40,61 +41,6 @@ CONFIG_KEYS = (
 
 class SweepConfigError(ValueError):
     """A sweep setting is invalid (unknown policy, task, key, or a value out of range)."""
-
-
-def _scalar(text: str) -> Any:
-    """``"8"`` → 8, ``"true"`` → True, ``"0.5"`` → 0.5, anything else stays a string."""
-    value = yaml.safe_load(text)
-    return value if isinstance(value, int | float | bool) or value is None else text
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """A policy name and its parameters other than the budget (sorted, hashable)."""
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, entry: str | Mapping[str, Any]) -> PolicySpec:
-        """From ``"h2o:schedule=blockwise"`` or ``{"name": "h2o", "schedule": "blockwise"}``."""
-        if isinstance(entry, Mapping):
-            params = dict(entry)
-            name = params.pop("name", None)
-            if not isinstance(name, str):
-                raise SweepConfigError(f"a policy entry needs a 'name'; got {dict(entry)!r}")
-        else:
-            name, *pairs = str(entry).strip().split(":")
-            params = {}
-            for pair in pairs:
-                key, sep, value = pair.partition("=")
-                if not sep or not key:
-                    raise SweepConfigError(f"policy {entry!r}: parameters are written name:key=value")
-                params[key.strip()] = _scalar(value.strip())
-        if "budget" in params:
-            raise SweepConfigError(f"policy {name!r}: give budgets with 'budgets', not as a policy parameter")
-        return cls(name.strip(), tuple(sorted(params.items())))
-
-    @property
-    def params_dict(self) -> dict[str, Any]:
-        return dict(self.params)
-
-    @property
-    def params_key(self) -> str:
-        """Canonical JSON of the parameters (part of a cell's identity)."""
-        return json.dumps(self.params_dict, sort_keys=True)
-
-    @property
-    def label(self) -> str:
-        """``h2o`` or ``h2o(schedule=blockwise)``: how tables and plots name it."""
-        return label_of(self.name, self.params_dict)
-
-
-def label_of(name: str, params: Mapping[str, Any] | None) -> str:
-    """Display name of a policy with its parameters."""
-    if not params:
-        return name
-    return f"{name}({','.join(f'{k}={v}' for k, v in sorted(params.items()))})"
 
 
 @dataclass
@@ -156,7 +102,11 @@ def build_config(values: Mapping[str, Any]) -> SweepConfig:
         if value is None:
             continue
         if key == "policies":
-            value = [PolicySpec.parse(p) for p in (value if isinstance(value, list) else _as_list(value, key))]
+            entries = value if isinstance(value, list) else _as_list(value, key)
+            try:
+                value = [PolicySpec.parse(p) for p in entries]
+            except PolicySpecError as err:
+                raise SweepConfigError(str(err)) from None
         elif key in ("budgets", "lengths"):
             value = list(dict.fromkeys(_ints(value, key)))
         elif key == "tasks":

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.eval.haystack import load_essay_texts
 from kvsieve.eval.tasks import get_task
+from kvsieve.models.haystack import load_essay_texts
 
 #: RULER generators used for training (distractor needles, several values, several queries, tracking).
 RETRIEVAL_TASKS = ("niah_multikey_1", "niah_multikey_2", "niah_multivalue", "niah_multiquery", "niah_single_2", "vt")

@@ -4,7 +4,10 @@
   tracking ``vt`` (:mod:`.ruler_vt`), ``cwe`` and ``fwe`` (:mod:`.ruler_aggregation`), scored with
   RULER's ``string_match_all``. RULER's two QA tasks (``qa_1`` on SQuAD, ``qa_2`` on HotpotQA) are left
   out: they need those datasets, which are not available offline.
-* ``passkey``: the needle-in-a-haystack grid (length × depth) of ``kvsieve niah``.
+* ``passkey``: the needle-in-a-haystack grid (length × five depths), scored as every ``generate`` task.
+* ``niah``: the grid of ``kvsieve niah`` (depths 0.1 / 0.5 / 0.9, the pass key drawn from the seed),
+  scored as ``kvsieve niah`` scores it (the ``needle`` cell kind); ``kvsieve niah`` runs it with its own
+  depths.
 * ``multiturn``: several needles in one context, asked one per turn on the same compressed cache.
 * ``perplexity`` (one token per forward, faithful to decoding-time eviction) and
   ``perplexity_chunk16`` (16 tokens per forward, ~16× cheaper): essay-text NLL by position.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from kvsieve.eval.tasks.base import LENGTH_TOLERANCE, Task, TaskSample
 from kvsieve.eval.tasks.multiturn import MultiTurnRetrieval
-from kvsieve.eval.tasks.passkey import PasskeyGrid
+from kvsieve.eval.tasks.passkey import NiahGrid, PasskeyGrid
 from kvsieve.eval.tasks.perplexity import EssayPerplexity
 from kvsieve.eval.tasks.ruler_aggregation import CommonWords, FrequentWords
 from kvsieve.eval.tasks.ruler_niah import NIAH_TASKS
@@ -36,6 +39,7 @@ TASKS: dict[str, Task] = {
         CommonWords(),
         FrequentWords(),
         PasskeyGrid(),
+        NiahGrid(),
         MultiTurnRetrieval(),
         EssayPerplexity(),
         EssayPerplexity(name="perplexity_chunk16", chunk=16),

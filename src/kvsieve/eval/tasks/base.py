@@ -61,7 +61,8 @@ class Task(ABC):
     Attributes:
         name: registry name.
         max_new_tokens: generation budget (per turn for multi-turn tasks; 0 for perplexity).
-        kind: ``"generate"`` (one prompt, one answer), ``"multiturn"`` or ``"perplexity"``.
+        kind: ``"generate"`` (one prompt, one answer), ``"multiturn"``, ``"perplexity"`` or ``"needle"``
+            (``kvsieve niah``'s scoring); :data:`kvsieve.eval.cells.KINDS` runs each.
         metric: a key of :data:`kvsieve.eval.metrics.METRICS` (RULER: ``string_match_all`` for every
             synthetic task, ``string_match_part`` for QA).
         min_length: shortest prompt the generator can build.
@@ -113,7 +114,7 @@ def continuation(
 
     When ``answer`` starts with a space the tokenizer keeps as a token of its own before it (SmolLM2
     before digits: ``"is 1234"`` is ``Ġis Ġ 1 2 3 4``), the space moves to the end of the prompt, so
-    the answer starts with its first real token instead of a bare space (see :mod:`kvsieve.eval.niah`).
+    the answer starts with its first real token instead of a bare space (see :mod:`kvsieve.eval.tasks.passkey_prompt`).
     ``special`` adds the tokenizer's special tokens (False for follow-up turns).
     """
     full = tokenizer(prompt + answer, add_special_tokens=special).input_ids

