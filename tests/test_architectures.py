@@ -140,7 +140,8 @@ def _record_statistics(monkeypatch: pytest.MonkeyPatch) -> dict[int, list]:
     seen: dict[int, list] = {}
     original = Engine._after_output
 
-    def spy(self, layer, step, sliding_window):
+    def spy(self, call, step):
+        sliding_window = call.sliding_window
         allowed, step.allowed = step.allowed, None
         try:
             rows = step.window_rows(step.q_len)
@@ -148,8 +149,8 @@ def _record_statistics(monkeypatch: pytest.MonkeyPatch) -> dict[int, list]:
         finally:
             step.allowed = allowed
         mask = visibility_mask(step.query_positions, step.view.positions, step.view.valid, sliding_window)
-        seen.setdefault(layer.layer_idx, []).append((rows, colsum, step.query, step.view.keys, mask, step.form))
-        return original(self, layer, step, sliding_window)
+        seen.setdefault(call.layer.layer_idx, []).append((rows, colsum, step.query, step.view.keys, mask, step.form))
+        return original(self, call, step)
 
     monkeypatch.setattr(Engine, "_after_output", spy)
     return seen

@@ -1,0 +1,170 @@
+"""Appending to a layer store: new entries at the end of their segments, growing capacity with slack.
+
+A uniform store appends one slice per buffer; a ragged one writes each segment's new (non-padding)
+entries at its end, in place while the slack lasts (decoding: one row per segment, bookkeeping by
+increments), after moving every segment into larger buffers otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.cache.side_data import SideSpec
+from kvsieve.cache.store_hook import StoreHook
+from kvsieve.cache.store_layout import StoreLayout
+
+#: Entries added per segment whenever an append does not fit (amortised O(1) appends at decoding).
+GROWTH = 64
+
+
+class StoreAppend(StoreLayout):
+    """The append half of :class:`~kvsieve.cache.store.LayerStore`."""
+
+    side_specs: dict[str, SideSpec]
+    hooks: list[StoreHook]
+    peak_length: int
+
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        first_position: int,
+        token_valid: torch.Tensor | None,
+    ) -> None:
+        """Append new entries ``(batch, heads, q, d)`` at absolute positions ``first_position + [0, q)``.
+
+        ``token_valid`` ``(batch, q)`` marks real tokens; padding tokens are not stored. Side data of
+        new entries starts at its spec's ``fill``.
+        """
+        q = keys.shape[2]
+        self._dense_cache = None
+        if token_valid is None and self._uniform is not None:
+            self._append_uniform(keys, values, first_position, q)
+        else:
+            self._append_ragged(keys, values, first_position, token_valid)
+        self.peak_length = max(self.peak_length, self.max_length)
+
+    def _append_uniform(self, keys: torch.Tensor, values: torch.Tensor, first_position: int, q: int) -> None:
+        assert self._uniform is not None
+        length, cap = self._uniform
+        if length + q > cap:
+            self._grow_uniform(length + q + GROWTH)
+            length, cap = self._uniform
+        b, h, d = self.batch, self.heads, self.head_dim
+        self.keys.view(b, h, cap, d)[:, :, length : length + q].copy_(keys)
+        self.values.view(b, h, cap, d)[:, :, length : length + q].copy_(values)
+        pos = self.positions.view(b, h, cap)[:, :, length : length + q]
+        if q == 1:
+            pos.fill_(first_position)
+        else:
+            pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(b, h, q))
+        for name, t in self.extras.items():
+            t.view(b, h, cap, *t.shape[1:])[:, :, length : length + q].fill_(self.side_specs[name].fill)
+        self._uniform = (length + q, cap)
+        if self.hooks:
+            for hook in self.hooks:
+                hook.after_append(self, None, q)
+
+    def _grow_uniform(self, capacity: int) -> None:
+        assert self._uniform is not None
+        length, cap = self._uniform
+        b, h = self.batch, self.heads
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((b * h * capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out.view(b, h, capacity, *t.shape[1:])[:, :, :length] = t.view(b, h, cap, *t.shape[1:])[:, :, :length]
+            return out
+
+        self.keys, self.values, self.positions = grow(self.keys), grow(self.values), grow(self.positions)
+        self.extras = {name: grow(t) for name, t in self.extras.items()}
+        self._uniform = (length, capacity)
+        self._gather_cache = None
+
+    def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
+        segs = self.segments
+        if self._next_rows is None:
+            self._next_rows = (self._start + self._length).to(self.device)
+        dst = self._next_rows
+        self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
+        self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
+        self.positions.index_fill_(0, dst, position)
+        for name, t in self.extras.items():
+            t.index_fill_(0, dst, self.side_specs[name].fill)
+        cached = self._gather_cache
+        if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
+            index, valid, width = cached
+            col = self._length.to(self.device)[:, None]
+            if int(self._max_length) + 1 > width:
+                index = torch.cat([index, index[:, -1:]], dim=1)
+                valid = torch.cat([valid, torch.zeros_like(valid[:, -1:])], dim=1)
+            index = index.scatter(1, col, dst[:, None])
+            valid = valid.scatter(1, col, True)
+            self._gather_cache = (index, valid, int(self._max_length) + 1)
+        self._next_rows = dst + 1
+        self._length += 1
+        self._max_length += 1
+        self._min_slack -= 1
+        for hook in self.hooks:
+            hook.after_append(self, dst, 1)
+
+    def _append_ragged(
+        self, keys: torch.Tensor, values: torch.Tensor, first_position: int, token_valid: torch.Tensor | None
+    ) -> None:
+        h, q = keys.shape[1], keys.shape[2]
+        if token_valid is None and q == 1 and self._uniform is None and self._min_slack >= 1:
+            self._append_one_each(keys, values, first_position)
+            return
+        segs = self.segments
+        if token_valid is None:
+            counts = torch.full((segs,), q, dtype=torch.long)
+            grow_all = True
+        else:
+            counts = token_valid.sum(dim=1).cpu().repeat_interleave(h)
+            grow_all = False
+        length, capacity = self.length, self.capacity
+        if (grow_all and self._uniform is None and q > self._min_slack) or (
+            not grow_all and bool((length + counts > capacity).any())
+        ):
+            self._relayout(length + counts + GROWTH)
+        start, length = self.start, self.length
+        base = (start + length).to(self.device)
+        positions = torch.arange(first_position, first_position + q, device=self.device)
+        if token_valid is None:
+            dst = (base[:, None] + torch.arange(q, device=self.device)[None, :]).reshape(-1)
+            src_keys, src_values = keys.reshape(-1, self.head_dim), values.reshape(-1, self.head_dim)
+            src_pos = positions.repeat(segs)
+        else:
+            valid = token_valid.to(self.device).repeat_interleave(h, dim=0)  # (segments, q)
+            rank = valid.long().cumsum(dim=1) - 1
+            dst = (base[:, None] + rank)[valid]
+            src_keys = keys.reshape(segs, q, self.head_dim)[valid]
+            src_values = values.reshape(segs, q, self.head_dim)[valid]
+            src_pos = positions[None, :].expand(segs, q)[valid]
+        self.keys.index_copy_(0, dst, src_keys.to(self.dtype))
+        self.values.index_copy_(0, dst, src_values.to(self.dtype))
+        self.positions.index_copy_(0, dst, src_pos)
+        for name, t in self.extras.items():
+            t.index_fill_(0, dst, self.side_specs[name].fill)
+        self._set_ragged(self.start, length + counts, self.capacity)
+        for hook in self.hooks:
+            hook.after_append(self, dst, q)
+
+    def _relayout(self, capacity: torch.Tensor) -> None:
+        """Move every segment into fresh buffers with the given per-segment capacity."""
+        length, start = self.length, self.start
+        new_start = torch.cumsum(capacity, 0) - capacity
+        total = int(capacity.sum())
+        offs = torch.arange(int(length.max()) if self.segments else 0)
+        mask = offs[None, :] < length[:, None]
+        src = (start[:, None] + offs[None, :])[mask].to(self.device)
+        dst = (new_start[:, None] + offs[None, :])[mask].to(self.device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out.index_copy_(0, dst, t.index_select(0, src))
+            return out
+
+        self.keys, self.values, self.positions = move(self.keys), move(self.values), move(self.positions)
+        self.extras = {name: move(t) for name, t in self.extras.items()}
+        self._set_ragged(new_start, length, capacity)

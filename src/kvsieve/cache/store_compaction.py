@@ -1,0 +1,108 @@
+"""Compacting a layer store: keep chosen entries per segment, select batch rows, drop by position, and
+edit entries in place (merges, side-data updates). Capacity shrinks to exactly what is kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvsieve.cache.store_hook import StoreHook
+from kvsieve.cache.store_layout import StoreLayout
+
+
+class StoreCompaction(StoreLayout):
+    """The compaction half of :class:`~kvsieve.cache.store.LayerStore`."""
+
+    hooks: list[StoreHook]
+
+    def keep(self, local_index: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Keep, per segment ``s``, the entries ``local_index[s, :counts[s]]`` (ascending) and free the rest.
+
+        ``local_index`` is ``(segments, K)`` of indices into each segment; the kept entries are exact
+        copies of the originals, in their original order. Capacity shrinks to exactly what is kept.
+        Returns the flat source rows that were kept (before the move), for callers that merge.
+        """
+        counts = counts.to(torch.long).cpu().reshape(-1)
+        width = local_index.shape[1]
+        mask = torch.arange(width)[None, :] < counts[:, None]
+        src = (self.start[:, None].to(local_index.device) + local_index)[mask.to(local_index.device)]
+        new_start = torch.cumsum(counts, 0) - counts
+        total = int(counts.sum())
+        src = src.to(self.device)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, src) if total else t[:0].clone()
+
+        self.keys, self.values, self.positions = take(self.keys), take(self.values), take(self.positions)
+        self.extras = {name: take(t) for name, t in self.extras.items()}
+        self._set_ragged(new_start, counts, counts.clone())
+        for hook in self.hooks:
+            hook.after_layout(self)
+        return src
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder / select batch items (beam search, batch filtering)."""
+        index = index.cpu()
+        segs = (index[:, None] * self.heads + torch.arange(self.heads)[None, :]).reshape(-1)
+        lengths, starts = self.length[segs], self.start[segs]
+        max_len = int(lengths.max()) if len(segs) else 0
+        offs = torch.arange(max_len)
+        mask = offs[None, :] < lengths[:, None]
+        src = (starts[:, None] + offs[None, :])[mask].to(self.device)
+        self.batch = len(index)
+        new_start = torch.cumsum(lengths, 0) - lengths
+        self.keys, self.values, self.positions = (
+            self.keys.index_select(0, src), self.values.index_select(0, src), self.positions.index_select(0, src)
+        )
+        self.extras = {name: t.index_select(0, src) for name, t in self.extras.items()}
+        self._set_ragged(new_start, lengths, lengths.clone())
+        for hook in self.hooks:
+            hook.after_layout(self)
+
+    def keep_positions_before(self, limit: int) -> None:
+        """Drop every entry at position ``limit`` or later (rollback of the last tokens)."""
+        self._keep_where(lambda positions: positions < limit)
+
+    def keep_positions_after(self, min_position: int) -> None:
+        """Drop every entry whose position is below ``min_position`` (sliding-window layers)."""
+        self._keep_where(lambda positions: positions >= min_position)
+
+    def _keep_where(self, predicate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        view = self.dense()
+        keep = predicate(view.positions)
+        if view.valid is not None:
+            keep = keep & view.valid
+        counts = keep.sum(dim=-1).reshape(-1).cpu()
+        if bool((counts == self.length).all()):
+            return
+        width = keep.shape[-1]
+        order = torch.where(keep, torch.arange(width, device=keep.device), width)
+        local = torch.sort(order.reshape(self.segments, width), dim=-1).values
+        self.keep(local, counts)
+
+    def add_dense(self, name: str, values: torch.Tensor) -> None:
+        """Add ``(batch, heads, L, ...)`` values (laid out like :meth:`dense`) into side data ``name``."""
+        target = self.extras[name]
+        self._dense_cache = None
+        if self._uniform is not None:
+            cap = self._uniform[1]
+            view = target.view(self.batch, self.heads, cap, *target.shape[1:])
+            view[:, :, : values.shape[2]] += values.to(target.dtype)
+            return
+        index, valid, _ = self.gather_index()
+        flat_values = values.reshape(self.segments, -1, *target.shape[1:])
+        target.index_add_(0, index[valid], flat_values[valid].to(target.dtype))
+
+    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                   extras: dict[str, torch.Tensor] | None = None) -> None:
+        """Overwrite entries at flat ``rows`` in place (merges); positions and layout are unchanged."""
+        self._dense_cache = None
+        if keys is not None:
+            self.keys.index_copy_(0, rows, keys.to(self.dtype))
+        if values is not None:
+            self.values.index_copy_(0, rows, values.to(self.dtype))
+        for name, t in (extras or {}).items():
+            self.extras[name].index_copy_(0, rows, t.to(self.extras[name].dtype))
+        for hook in self.hooks:
+            hook.after_layout(self)

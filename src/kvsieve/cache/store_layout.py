@@ -1,0 +1,183 @@
+"""Where a layer store's entries sit: the segment layout, the dense view built from it, and byte counts.
+
+Buffers have shape ``(total_capacity, *trailing)``; segment ``s = b * heads + h`` occupies rows
+``[start[s], start[s] + capacity[s])`` and its first ``length[s]`` rows are valid, in increasing position
+order. Two layouts share these buffers:
+
+* **uniform** — every segment has the same length and capacity, back to back (``start = s·capacity``).
+  The layout is described by two Python ints, ``dense()`` is a zero-copy ``(batch, heads, L, ...)``
+  view and a decoding append is one slice copy per buffer: no index tensors, no host round trip.
+  This is the state after a uniform compaction (SnapKV at a fixed budget) and during full-cache decoding.
+* **ragged** — per-segment ``start``/``length``/``capacity`` (host ``long`` tensors: bookkeeping only,
+  the entries stay on the input's device). ``dense()`` gathers into a padded view with a validity mask;
+  the gather index is cached and rebuilt only when the layout changes or entries are appended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.cache.dense_view import DenseView
+
+
+class StoreLayout:
+    """The base of :class:`~kvsieve.cache.store.LayerStore`: its buffers, their segment layout and views.
+
+    Appending (:mod:`kvsieve.cache.store_append`), compaction (:mod:`kvsieve.cache.store_compaction`) and
+    saving (:mod:`kvsieve.cache.store_snapshot`) change the buffers and adopt a new layout with
+    :meth:`_set_ragged`.
+    """
+
+    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.batch, self.heads, self.head_dim = batch, heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.keys = torch.empty((0, head_dim), dtype=dtype, device=device)
+        self.values = torch.empty((0, head_dim), dtype=dtype, device=device)
+        self.positions = torch.empty((0,), dtype=torch.long, device=device)
+        self.extras: dict[str, torch.Tensor] = {}
+        # uniform layout: (length, capacity) per segment; None while ragged (then the tensors below hold it)
+        self._uniform: tuple[int, int] | None = (0, 0)
+        self._start = self._length = self._capacity = torch.zeros(0, dtype=torch.long)
+        self._max_length = 0
+        self._min_slack = 0
+        self._dense_cache: DenseView | None = None
+        self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._next_rows: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ layout bookkeeping
+    @property
+    def segments(self) -> int:
+        return self.batch * self.heads
+
+    @property
+    def is_uniform(self) -> bool:
+        """All segments have equal length and capacity, back to back (zero-copy dense view)."""
+        return self._uniform is not None
+
+    @property
+    def max_length(self) -> int:
+        """Most entries any segment holds now (a Python int: no device or host tensor work)."""
+        return self._uniform[0] if self._uniform is not None else self._max_length
+
+    @property
+    def start(self) -> torch.Tensor:
+        if self._uniform is not None:
+            return torch.arange(self.segments, dtype=torch.long) * self._uniform[1]
+        return self._start
+
+    @property
+    def length(self) -> torch.Tensor:
+        """Entries held per segment, host ``long`` tensor ``(segments,)``."""
+        if self._uniform is not None:
+            return torch.full((self.segments,), self._uniform[0], dtype=torch.long)
+        return self._length
+
+    @property
+    def capacity(self) -> torch.Tensor:
+        if self._uniform is not None:
+            return torch.full((self.segments,), self._uniform[1], dtype=torch.long)
+        return self._capacity
+
+    def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor) -> None:
+        """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
+        self._dense_cache = None
+        self._gather_cache = None
+        self._next_rows = None
+        segs = self.segments
+        if segs == 0:
+            self._uniform = (0, 0)
+            return
+        first_len, first_cap = int(length[0]), int(capacity[0])
+        if (
+            bool((length == first_len).all())
+            and bool((capacity == first_cap).all())
+            and bool((start == torch.arange(segs) * first_cap).all())
+        ):
+            self._uniform = (first_len, first_cap)
+            return
+        self._uniform = None
+        self._start, self._length, self._capacity = start.clone(), length.clone(), capacity.clone()
+        self._max_length = int(length.max())
+        self._min_slack = int((capacity - length).min())
+
+    def lengths(self) -> torch.Tensor:
+        """Entries held per (batch item, KV head), shape ``(batch, heads)`` (host tensor)."""
+        return self.length.view(self.batch, self.heads).clone()
+
+    def total_entries(self) -> int:
+        if self._uniform is not None:
+            return self._uniform[0] * self.segments
+        return int(self._length.sum())
+
+    def entry_nbytes(self) -> int:
+        """Bytes one held entry costs: key, value, position and its side data."""
+        per_entry = (self.keys.element_size() + self.values.element_size()) * self.head_dim
+        per_entry += self.positions.element_size()
+        return per_entry + sum(t[:1].nbytes if t.shape[0] else _row_nbytes(t) for t in self.extras.values())
+
+    def used_nbytes(self) -> int:
+        """Bytes of the entries actually held (growth slack excluded)."""
+        return self.total_entries() * self.entry_nbytes()
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values actually held."""
+        return self.total_entries() * (self.keys.element_size() + self.values.element_size()) * self.head_dim
+
+    # ------------------------------------------------------------------ dense access
+    def gather_index(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Flat row index ``(segments, L)`` (padding slots repeat the last valid row), validity, ``L``."""
+        if self._gather_cache is not None and self._gather_cache[2] != self.max_length:
+            self._gather_cache = None
+        if self._gather_cache is None:
+            max_len = self.max_length
+            offs = torch.arange(max_len)
+            length, start = self.length, self.start
+            valid = offs[None, :] < length[:, None]
+            last = (start + (length - 1).clamp(min=0))[:, None]
+            index = torch.minimum(start[:, None] + offs[None, :], last)
+            index = index.clamp(max=max(self.keys.shape[0] - 1, 0))
+            self._gather_cache = (index.to(self.device), valid.to(self.device), max_len)
+        return self._gather_cache
+
+    def dense(self) -> DenseView:
+        """Padded view ``(batch, heads, L, ...)`` of all entries; ``valid`` is None if nothing is padded."""
+        if self._dense_cache is not None:
+            return self._dense_cache
+        b, h = self.batch, self.heads
+        if self._uniform is not None:
+            length, cap = self._uniform
+
+            def view(t: torch.Tensor) -> torch.Tensor:
+                return t.view(b, h, cap, *t.shape[1:])[:, :, :length]
+
+            out = DenseView(
+                view(self.keys), view(self.values), view(self.positions), None,
+                {name: view(t) for name, t in self.extras.items()},
+            )
+        else:
+            index, valid, max_len = self.gather_index()
+            flat = index.reshape(-1)
+
+            def gather(t: torch.Tensor) -> torch.Tensor:
+                return t.index_select(0, flat).view(b, h, max_len, *t.shape[1:])
+
+            def fetch(name: str) -> torch.Tensor:
+                return gather(self.positions if name == "positions" else self.extras[name])
+
+            out = DenseView(
+                gather(self.keys), gather(self.values), None, valid.view(b, h, max_len),
+                None, fetch, tuple(self.extras),
+            )
+        self._dense_cache = out
+        return out
+
+    def invalidate_view(self) -> None:
+        """Forget the cached dense view (after side data or entries changed in place)."""
+        self._dense_cache = None
+
+
+def _row_nbytes(t: torch.Tensor) -> int:
+    per = t.element_size()
+    for size in t.shape[1:]:
+        per *= size
+    return per

@@ -1,0 +1,81 @@
+"""The attention output of one layer step, after its entries were appended.
+
+* A layer's first prompt on an empty store: plain SDPA on the prompt's own keys (bit-exact with
+  transformers), or the model's eager form when SDPA cannot express it (soft-capping, sinks).
+* Otherwise, over the held entries with visibility from stored positions and the merge-count bias:
+  EMS's centres expanded to the positions they stand for, a selector's subset at decoding (row by row,
+  :mod:`kvsieve.engine.row_groups`), or every held entry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.attention.kernel import attend, causal_mask, output_mask
+from kvsieve.attention.masks import dense_causal_mask
+from kvsieve.core.selection import Selection
+from kvsieve.core.step import LayerStep
+from kvsieve.engine.layer_call import LayerCall
+from kvsieve.engine.row_groups import select_by_row
+from kvsieve.policies.policy import Policy
+from kvsieve.transformers_adapter import sdpa_attention
+
+
+def first_prompt_output(call: LayerCall, step: LayerStep) -> torch.Tensor:
+    """Causal attention of a first prompt over its own new entries (nothing held before it)."""
+    query = call.query
+    mask = dense_causal_mask(step.q_len, step.q_len, call.padding, call.sliding_window, query.device)
+    if call.form.explicit:  # soft-capping or sinks: SDPA cannot, so as the model's eager attention
+        if mask is None and step.q_len > 1:
+            mask = causal_mask(step.q_len, query.device)
+        return attend(call.module, query, call.keys, call.values, mask, call.form)
+    return sdpa_attention(call.module, query, call.keys, call.values, mask, call.form.scaling)
+
+
+def held_output(
+    policy: Policy, row_configs: dict[int, list[dict[str, int]] | None], call: LayerCall, step: LayerStep
+) -> torch.Tensor:
+    """Attention over the held entries: expanded centres, a selector's subset (decoding), or all of them.
+
+    ``row_configs`` is the engine's record of each batch row's selector configuration per layer.
+    """
+    module, sliding_window, left_alone = call.module, call.sliding_window, call.layer.left_alone
+    view = step.view
+    bias = step.bias()
+    expanded = None if left_alone else policy.action.expanded(step)
+    if expanded is not None:  # EMS w. pos: centres expanded to the positions they stand for
+        keys, values, positions, valid, bias = expanded
+        mask = output_mask(lambda: step.query_positions, lambda: positions, valid, sliding_window, step.groups,
+                           bias, step.query.dtype, newest_query=step.is_decoding)
+        return attend(module, step.query, keys, values, mask, step.form)
+    selector = policy.selector
+    if selector is not None and step.is_decoding and not left_alone:
+        subset = select_by_row(selector, step, row_configs)
+        if subset is not None:
+            blend = None
+            if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
+                subset, blend = subset.indices, (subset.weight, subset.fallback)
+            output = attend(module, step.query, view.keys, view.values, None, step.form,
+                            subset=subset, bias=bias, key_valid=view.valid, blend=blend)
+            # "t ≥ N → exact attention" per row: a row holding no more than the selector's token budget
+            # attends to everything, as it would alone, whatever its neighbours hold
+            exact = step.store.lengths().amax(dim=1) <= getattr(selector, "k", 0)  # host: no device sync
+            if bool(exact.any()):
+                full = all_entries_output(step, module, sliding_window, bias)
+                output = torch.where(exact.to(output.device)[:, None, None, None], full, output)
+            return output
+    return all_entries_output(step, module, sliding_window, bias)
+
+
+def all_entries_output(
+    step: LayerStep, module: torch.nn.Module, sliding_window: int | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of the step's queries over every held entry (visibility from stored positions)."""
+    view = step.view
+    if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
+        return attend(module, step.query, view.keys, view.values, None, step.form)
+    mask = output_mask(
+        lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias,
+        step.query.dtype, newest_query=step.is_decoding,
+    )
+    return attend(module, step.query, view.keys, view.values, mask, step.form)
