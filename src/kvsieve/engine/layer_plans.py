@@ -35,11 +35,15 @@ class LayerPlans:
         return self.policy.schedule.fires(step.is_decoding, step.store.max_length, self.layer_budget(layer_idx))
 
     def nominal(self, layer_idx: int, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries held and the nominal budget per (batch, KV head), both on the entries' device."""
+        """Entries held and the nominal budget per (batch, KV head), both on the entries' device.
+
+        The allocator's budget arithmetic runs on the store's host copy of the lengths (exact float64 ratio
+        rounding on any device) and is copied to the device: no device-to-host read on the planning path.
+        """
         lengths = step.lengths()
         nominal = self.policy.allocator.nominal(
-            self._budget_spec, lengths.cpu(), layer_idx, self.info.num_layers, self._window
-        ).to(lengths.device)
+            self._budget_spec, step.store.lengths(), layer_idx, self.info.num_layers, self._window
+        ).to(lengths.device, non_blocking=True)
         return lengths, nominal
 
     def plan(self, layer_idx: int, step: LayerStep) -> Plan | None:
