@@ -49,7 +49,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     mask = (1 << bits) - 1
     codes = (packed.unsqueeze(-1) >> shifts) & mask
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :n]
 
 
 @dataclass
@@ -74,13 +74,19 @@ class Quantized:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
 
 
-def _codes(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes for ``x`` and the float16 step they use, with group bounds (float16-exact) broadcast to ``x``."""
+def asymmetric_codes(
+    x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` for groups with bounds ``low``/``high`` (broadcast to ``x``): ``(codes uint8, step,
+    minimum)``, the step and minimum float16-exact (returned as float32) — the codes are made for exactly
+    the values that are kept."""
     levels = (1 << bits) - 1
-    step = ((high - low) / levels).to(PARAM_DTYPE).float()
+    low16 = low.to(PARAM_DTYPE).float()
+    high16 = torch.maximum(high.to(PARAM_DTYPE).float(), low16)
+    step = ((high16 - low16) / levels).to(PARAM_DTYPE).float()
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round((x - low) / safe).clamp_(0, levels)
-    return q.to(torch.uint8), step
+    q = torch.round((x - low16) / safe).clamp_(0, levels)
+    return q.to(torch.uint8), step, low16
 
 
 def quantize(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> Quantized:
@@ -103,10 +109,7 @@ def quantize(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> Quant
     else:
         grouped = xf.reshape(rows, cols // group, group)
         low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
-    # the minimum and step are rounded to float16 first, and the codes use the rounded values: what is kept
-    # is exactly what the codes were made for
-    low16, high16 = low.to(PARAM_DTYPE).float(), high.to(PARAM_DTYPE).float()
-    codes, step = _codes(grouped, low16, torch.maximum(high16, low16), bits)
+    codes, step, low16 = asymmetric_codes(grouped, low, high, bits)
     axis = 1 if per_channel else 2
     packed = pack(codes.reshape(rows, cols), bits)
     return Quantized(packed, step.to(PARAM_DTYPE).squeeze(axis), low16.to(PARAM_DTYPE).squeeze(axis), bits, group,

@@ -1,0 +1,179 @@
+"""One layer's entries held at low precision: KIVI groups, real bit packing, ragged per (batch item, KV head).
+
+Entries arrive per segment (``s = b·heads + h``) in position order and are cut into **groups** of ``G``
+consecutive entries of one segment (the last group of an arrival may be partial: its free slots are
+invalid). Within a group, keys are quantized **per channel** (one float16 step and minimum per channel
+for the ``G`` tokens) and values **per token** (one step and minimum per ``value_group`` channels of each
+token) — the recipe of KIVI (Liu et al., 2024, arXiv:2402.02750, Sec. 3.2–3.3), implemented in
+:mod:`kvsieve.ops.quantize`. Codes are packed ``8 / bits`` to a byte.
+
+Removing an entry marks its slot invalid; a group is freed when its last entry goes (the others keep the
+step and minimum they were coded with, so nothing is re-quantized and no error accumulates). Groups are
+kept segment by segment, so a segment's entries are a contiguous run of slots and the dense view is one
+gather. Everything stays on the entries' device; segment bookkeeping is host ``long`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.ops.quantize import PARAM_DTYPE, asymmetric_codes, check_bits, pack, unpack
+
+
+class QuantizedTier:
+    """Entries of one layer at ``bits`` bits (see the module docstring)."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, bits: int, group: int, value_group: int,
+                 dtype: torch.dtype, device: torch.device):
+        check_bits(bits)
+        if group < 1:
+            raise ValueError(f"group must be an int ≥ 1 (tokens per key group); got {group!r}")
+        if value_group < 1 or head_dim % value_group:
+            raise ValueError(f"value_group must divide head_dim={head_dim}; got {value_group!r}")
+        self.batch, self.heads, self.head_dim = batch, heads, head_dim
+        self.bits, self.group, self.value_group = bits, group, value_group
+        self.dtype, self.device = dtype, device
+        width = -(-head_dim * bits // 8)
+        g = group
+        self.key_codes = torch.empty((0, g, width), dtype=torch.uint8, device=device)
+        self.value_codes = torch.empty((0, g, width), dtype=torch.uint8, device=device)
+        self.key_params = torch.empty((0, 2, head_dim), dtype=PARAM_DTYPE, device=device)  # step, minimum
+        self.value_params = torch.empty((0, g, 2, head_dim // value_group), dtype=PARAM_DTYPE, device=device)
+        self.positions = torch.empty((0, g), dtype=torch.long, device=device)
+        self.valid = torch.empty((0, g), dtype=torch.bool, device=device)
+        #: Groups per segment (host), in segment order.
+        self.groups_per_segment = torch.zeros(batch * heads, dtype=torch.long)
+
+    # ------------------------------------------------------------------ size
+    @property
+    def segments(self) -> int:
+        return self.batch * self.heads
+
+    def lengths(self) -> torch.Tensor:
+        """Entries held per (batch item, KV head) ``(batch, heads)`` (a device tensor: slots are masked there)."""
+        per_group = self.valid.sum(dim=1)
+        segment = torch.repeat_interleave(torch.arange(self.segments), self.groups_per_segment).to(self.device)
+        out = torch.zeros(self.segments, dtype=torch.long, device=self.device)
+        out.index_add_(0, segment, per_group)
+        return out.view(self.batch, self.heads)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of keys and values held: packed codes, steps and minimums (free slots of partial groups too)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.key_codes, self.value_codes, self.key_params, self.value_params))
+
+    def nbytes(self) -> int:
+        """All bytes held, positions and slot validity included."""
+        return self.kv_nbytes() + self.positions.numel() * 8 + self.valid.numel()
+
+    # ------------------------------------------------------------------ adding entries
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor) -> None:
+        """Quantize and add entries: ``keys``/``values`` ``(n, d)``, ``positions`` ``(n,)``, grouped by segment
+        in segment order, ``counts`` (host ``(segments,)``) entries of each segment, in position order."""
+        counts = counts.to(torch.long).cpu()
+        if int(counts.sum()) != keys.shape[0]:
+            raise ValueError(f"counts sum to {int(counts.sum())} entries; got {keys.shape[0]}")
+        g = self.group
+        new_groups = -(-counts // g)
+        total = int(new_groups.sum())
+        if total == 0:
+            return
+        seg_of_entry = torch.repeat_interleave(torch.arange(self.segments), counts)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(keys.shape[0]) - first[seg_of_entry]
+        group_first = torch.cumsum(new_groups, 0) - new_groups
+        slot = (group_first[seg_of_entry] * g + rank).to(self.device)
+        d = self.head_dim
+        padded_k = torch.zeros((total * g, d), dtype=torch.float32, device=self.device)
+        padded_v = torch.zeros((total * g, d), dtype=torch.float32, device=self.device)
+        pos = torch.zeros(total * g, dtype=torch.long, device=self.device)
+        valid = torch.zeros(total * g, dtype=torch.bool, device=self.device)
+        padded_k[slot], padded_v[slot], pos[slot], valid[slot] = keys.float(), values.float(), positions, True
+        key_codes, key_params = self._quantize_keys(padded_k.view(total, g, d), valid.view(total, g))
+        value_codes, value_params = self._quantize_values(padded_v)
+        self._insert(new_groups, key_codes, value_codes.view(total, g, -1), key_params,
+                     value_params.view(total, g, 2, -1), pos.view(total, g), valid.view(total, g))
+
+    def _quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel codes over each group's valid slots: ``(groups, G, width)`` and params ``(groups, 2, d)``."""
+        inf = torch.tensor(float("inf"), device=keys.device)
+        mask = valid.unsqueeze(-1)
+        low = torch.where(mask, keys, inf).amin(dim=1, keepdim=True)
+        high = torch.where(mask, keys, -inf).amax(dim=1, keepdim=True)
+        codes, step, low16 = asymmetric_codes(keys, low, high, self.bits)
+        params = torch.cat([step, low16], dim=1).to(PARAM_DTYPE)
+        return pack(codes * mask, self.bits), params
+
+    def _quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token codes ``(n, width)`` and params ``(n, 2, d / value_group)`` (free slots are zeros)."""
+        n, d = values.shape
+        grouped = values.view(n, d // self.value_group, self.value_group)
+        low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
+        codes, step, low16 = asymmetric_codes(grouped, low, high, self.bits)
+        params = torch.stack([step.squeeze(2), low16.squeeze(2)], dim=1).to(PARAM_DTYPE)
+        return pack(codes.view(n, d), self.bits), params
+
+    def _insert(self, new_groups: torch.Tensor, *tensors: torch.Tensor) -> None:
+        """Place new groups after each segment's existing ones (segment order kept)."""
+        old_groups = self.groups_per_segment
+        segment_old = torch.repeat_interleave(torch.arange(self.segments), old_groups)
+        segment_new = torch.repeat_interleave(torch.arange(self.segments), new_groups)
+        order = torch.sort(torch.cat([segment_old, segment_new]), stable=True).indices.to(self.device)
+        names = ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid")
+        for name, new in zip(names, tensors, strict=True):
+            setattr(self, name, torch.cat([getattr(self, name), new]).index_select(0, order))
+        self.groups_per_segment = old_groups + new_groups
+
+    # ------------------------------------------------------------------ reading
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every slot ``(groups, G, d)`` in the model dtype (free slots hold garbage)."""
+        g, d = self.group, self.head_dim
+        groups = self.key_codes.shape[0]
+        key_codes = unpack(self.key_codes, self.bits, d).float()
+        keys = key_codes * self.key_params[:, 0:1].float() + self.key_params[:, 1:2].float()
+        value_codes = unpack(self.value_codes, self.bits, d).float().view(groups, g, d // self.value_group,
+                                                                         self.value_group)
+        params = self.value_params.float()
+        values = value_codes * params[:, :, 0, :, None] + params[:, :, 1, :, None]
+        return keys.to(self.dtype), values.reshape(groups, g, d).to(self.dtype)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, positions, valid)`` padded to ``(batch, heads, slots, ...)``: each segment's groups'
+        slots in order (slots, not entries: a removed entry leaves an invalid slot)."""
+        g = self.group
+        most = int(self.groups_per_segment.max()) if self.segments else 0
+        keys, values = self.dequantized()
+        first = torch.cumsum(self.groups_per_segment, 0) - self.groups_per_segment
+        offs = torch.arange(most)
+        present = offs[None, :] < self.groups_per_segment[:, None]
+        index = (first[:, None] + offs[None, :]).clamp(max=max(keys.shape[0] - 1, 0)).to(self.device)
+        present = present.to(self.device)
+        shape = (self.batch, self.heads, most * g)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            if t.shape[0] == 0:
+                return t.new_zeros((self.segments, most, *t.shape[1:]))
+            return t.index_select(0, index.reshape(-1)).view(self.segments, most, *t.shape[1:])
+
+        valid = gather(self.valid) & present.unsqueeze(-1)
+        d = self.head_dim
+        return (gather(keys).view(*shape, d), gather(values).view(*shape, d), gather(self.positions).view(shape),
+                valid.view(shape))
+
+    # ------------------------------------------------------------------ removing entries
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep the slots where ``keep`` ``(batch, heads, slots)`` (the :meth:`dense` layout) is True; groups
+        left without an entry are freed."""
+        g = self.group
+        most = int(self.groups_per_segment.max()) if self.segments else 0
+        if keep.shape != (self.batch, self.heads, most * g):
+            raise ValueError(f"keep must have shape {(self.batch, self.heads, most * g)}; got {tuple(keep.shape)}")
+        present = torch.arange(most)[None, :] < self.groups_per_segment[:, None]
+        flat_keep = keep.reshape(self.segments, most, g)[present.to(keep.device)]
+        self.valid = self.valid & flat_keep
+        alive = self.valid.any(dim=1)
+        alive_host = alive.cpu()
+        segment = torch.repeat_interleave(torch.arange(self.segments), self.groups_per_segment)
+        self.groups_per_segment = torch.bincount(segment[alive_host], minlength=self.segments)
+        for name in ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid"):
+            setattr(self, name, getattr(self, name)[alive])
