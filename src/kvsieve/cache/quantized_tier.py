@@ -43,6 +43,10 @@ class QuantizedTier:
         self.valid = torch.empty((0, g), dtype=torch.bool, device=device)
         #: Groups per segment (host), in segment order.
         self.groups_per_segment = torch.zeros(batch * heads, dtype=torch.long)
+        #: Entries per segment (host).
+        self.counts = torch.zeros(batch * heads, dtype=torch.long)
+        #: Bumped by every change (views built from the tier compare it).
+        self.version = 0
 
     # ------------------------------------------------------------------ size
     @property
@@ -50,12 +54,12 @@ class QuantizedTier:
         return self.batch * self.heads
 
     def lengths(self) -> torch.Tensor:
-        """Entries held per (batch item, KV head) ``(batch, heads)`` (a device tensor: slots are masked there)."""
-        per_group = self.valid.sum(dim=1)
-        segment = torch.repeat_interleave(torch.arange(self.segments), self.groups_per_segment).to(self.device)
-        out = torch.zeros(self.segments, dtype=torch.long, device=self.device)
-        out.index_add_(0, segment, per_group)
-        return out.view(self.batch, self.heads)
+        """Entries held per (batch item, KV head) ``(batch, heads)`` (host tensor)."""
+        return self.counts.view(self.batch, self.heads).clone()
+
+    @property
+    def empty(self) -> bool:
+        return self.key_codes.shape[0] == 0
 
     def kv_nbytes(self) -> int:
         """Bytes of keys and values held: packed codes, steps and minimums (free slots of partial groups too)."""
@@ -91,6 +95,8 @@ class QuantizedTier:
         padded_k[slot], padded_v[slot], pos[slot], valid[slot] = keys.float(), values.float(), positions, True
         key_codes, key_params = self._quantize_keys(padded_k.view(total, g, d), valid.view(total, g))
         value_codes, value_params = self._quantize_values(padded_v)
+        self.counts = self.counts + counts
+        self.version += 1
         self._insert(new_groups, key_codes, value_codes.view(total, g, -1), key_params,
                      value_params.view(total, g, 2, -1), pos.view(total, g), valid.view(total, g))
 
@@ -119,8 +125,7 @@ class QuantizedTier:
         segment_old = torch.repeat_interleave(torch.arange(self.segments), old_groups)
         segment_new = torch.repeat_interleave(torch.arange(self.segments), new_groups)
         order = torch.sort(torch.cat([segment_old, segment_new]), stable=True).indices.to(self.device)
-        names = ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid")
-        for name, new in zip(names, tensors, strict=True):
+        for name, new in zip(_BUFFERS, tensors, strict=True):
             setattr(self, name, torch.cat([getattr(self, name), new]).index_select(0, order))
         self.groups_per_segment = old_groups + new_groups
 
@@ -171,9 +176,30 @@ class QuantizedTier:
         present = torch.arange(most)[None, :] < self.groups_per_segment[:, None]
         flat_keep = keep.reshape(self.segments, most, g)[present.to(keep.device)]
         self.valid = self.valid & flat_keep
-        alive = self.valid.any(dim=1)
-        alive_host = alive.cpu()
+        self.version += 1
+        per_group = self.valid.sum(dim=1).cpu()  # one host read per compaction
         segment = torch.repeat_interleave(torch.arange(self.segments), self.groups_per_segment)
+        self.counts = torch.zeros(self.segments, dtype=torch.long).index_add_(0, segment, per_group)
+        alive_host = per_group > 0
         self.groups_per_segment = torch.bincount(segment[alive_host], minlength=self.segments)
-        for name in ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid"):
+        alive = alive_host.to(self.device)
+        for name in _BUFFERS:
             setattr(self, name, getattr(self, name)[alive])
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder / select batch items (beam search, batch filtering), as the full-precision store does."""
+        index = index.cpu()
+        self.version += 1
+        segs = (index[:, None] * self.heads + torch.arange(self.heads)[None, :]).reshape(-1)
+        first = torch.cumsum(self.groups_per_segment, 0) - self.groups_per_segment
+        groups = self.groups_per_segment[segs]
+        rows = torch.cat([torch.arange(int(f), int(f) + int(g)) for f, g in zip(first[segs], groups, strict=True)]
+                         ) if len(segs) else torch.zeros(0, dtype=torch.long)
+        rows = rows.to(torch.long).to(self.device)
+        for name in _BUFFERS:
+            setattr(self, name, getattr(self, name).index_select(0, rows))
+        self.batch = len(index)
+        self.groups_per_segment, self.counts = groups.clone(), self.counts[segs].clone()
+
+
+_BUFFERS = ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid")

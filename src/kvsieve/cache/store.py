@@ -12,7 +12,8 @@ unlike masking schemes that keep a padded maximum.
 * :mod:`kvsieve.cache.store_append` — appends, capacity growth with slack;
 * :mod:`kvsieve.cache.store_compaction` — keeping chosen entries, batch selection, drops by position,
   in-place edits (merges, side-data updates);
-* :mod:`kvsieve.cache.store_snapshot` — every held entry out and back in (saved contexts).
+* :mod:`kvsieve.cache.store_snapshot` — every held entry out and back in (saved contexts);
+* :mod:`kvsieve.cache.store_tiers` — lower-precision tiers (packed, KIVI groups) and the combined view.
 
 Side data (H2O's accumulated attention, merge counts, retention gates...) are per-entry buffers of any
 trailing shape that move with their entries (:class:`SideSpec`). :class:`StoreHook` objects (e.g.
@@ -26,14 +27,14 @@ import torch
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.cache.side_data import SideSpec
 from kvsieve.cache.store_append import GROWTH, StoreAppend
-from kvsieve.cache.store_compaction import StoreCompaction
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_snapshot import StoreSnapshot
+from kvsieve.cache.store_tiers import StoreTiers
 
 __all__ = ["GROWTH", "DenseView", "LayerStore", "SideSpec", "StoreHook"]
 
 
-class LayerStore(StoreAppend, StoreCompaction, StoreSnapshot):
+class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):
     """Keys, values, absolute positions and per-entry side data of one layer, ragged per segment."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -42,6 +43,9 @@ class LayerStore(StoreAppend, StoreCompaction, StoreSnapshot):
         self.hooks: list[StoreHook] = []
         #: Most entries any segment has held at once (right after an append, before compaction).
         self.peak_length = 0
+        #: Lower-precision tiers (:mod:`kvsieve.cache.store_tiers`); empty unless a policy quantizes.
+        self.tiers = []
+        self._combined = None
 
     def ensure_side(self, spec: SideSpec) -> None:
         """Create per-entry side data ``spec.name`` (filled with ``spec.fill``) if absent."""
@@ -64,5 +68,5 @@ class LayerStore(StoreAppend, StoreCompaction, StoreSnapshot):
     def nbytes(self) -> int:
         """Bytes allocated for keys, values, positions, side data and hook data (growth slack included)."""
         total = self.keys.nbytes + self.values.nbytes + self.positions.nbytes
-        total += sum(t.nbytes for t in self.extras.values())
+        total += sum(t.nbytes for t in self.extras.values()) + sum(tier.nbytes() for tier in self.tiers)
         return total + sum(hook.nbytes() for hook in self.hooks)

@@ -1,0 +1,182 @@
+"""Precision tiers of a layer store: full-precision entries in the store's buffers, lower tiers packed.
+
+A store may own :class:`~kvsieve.cache.quantized_tier.QuantizedTier` objects (one per bit width). While
+any tier holds entries, the store's dense view is the **combined** view: per segment, every entry of
+every tier, in position order, dequantized to the model dtype, padded at the end — so the kernel,
+statistics and scorers read quantized entries exactly as they read full-precision ones, and "the first
+``n`` slots are the head's entries, newest last" holds as it does without tiers. :meth:`StoreTiers.keep`
+takes indices into that view and routes each kept entry to where it lives; :meth:`quantize` moves chosen
+full-precision entries into a tier. Without tier entries every method is the plain store's (no cost).
+
+Quantized entries carry no per-entry side data (a policy whose scorer keeps side data cannot quantize;
+:class:`~kvsieve.parts.actions.quantize.Quantize` refuses it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.cache.dense_view import DenseView
+from kvsieve.cache.quantized_tier import QuantizedTier
+from kvsieve.cache.store_compaction import StoreCompaction
+
+
+class StoreTiers(StoreCompaction):
+    """The tier half of :class:`~kvsieve.cache.store.LayerStore` (see the module docstring)."""
+
+    tiers: list[QuantizedTier]
+    _combined: tuple[DenseView, DenseView, torch.Tensor, torch.Tensor, tuple[int, ...]] | None
+
+    def add_tier(self, bits: int, group: int, value_group: int) -> int:
+        """Create a tier at ``bits`` bits (KIVI groups of ``group`` tokens, ``value_group`` channels); its index."""
+        self.tiers.append(QuantizedTier(self.batch, self.heads, self.head_dim, bits, group, value_group,
+                                        self.dtype, self.device))
+        self._combined = None
+        return len(self.tiers) - 1
+
+    @property
+    def tiered(self) -> bool:
+        """Whether any tier holds entries (then :meth:`dense` is the combined view)."""
+        return any(not tier.empty for tier in self.tiers)
+
+    # ------------------------------------------------------------------ sizes
+    def lengths(self) -> torch.Tensor:
+        """Entries held per (batch item, KV head), every tier counted, ``(batch, heads)`` (host tensor)."""
+        out = super().lengths()
+        for tier in self.tiers:
+            out = out + tier.lengths()
+        return out
+
+    def full_lengths(self) -> torch.Tensor:
+        """Full-precision entries per (batch item, KV head) (host tensor)."""
+        return super().lengths()
+
+    def kv_nbytes(self) -> int:
+        return super().kv_nbytes() + sum(tier.kv_nbytes() for tier in self.tiers)
+
+    def used_nbytes(self) -> int:
+        return super().used_nbytes() + sum(tier.nbytes() for tier in self.tiers)
+
+    # ------------------------------------------------------------------ the combined view
+    def dense(self) -> DenseView:
+        full = super().dense()
+        if not self.tiered:
+            return full
+        version = tuple(tier.version for tier in self.tiers)
+        if self._combined is not None and self._combined[0] is full and self._combined[4] == version:
+            return self._combined[1]
+        view, tier_of, slot_of = self._combine(full)
+        self._combined = (full, view, tier_of, slot_of, version)
+        return view
+
+    def _combine(self, full: DenseView) -> tuple[DenseView, torch.Tensor, torch.Tensor]:
+        b, h = self.batch, self.heads
+        full_valid = full.valid if full.valid is not None else torch.ones(
+            full.positions.shape, dtype=torch.bool, device=self.device)
+        parts_k, parts_v, parts_p, parts_ok = [full.keys], [full.values], [full.positions], [full_valid]
+        tier_of = [torch.zeros(full.positions.shape, dtype=torch.long, device=self.device)]
+        slot_of = [torch.arange(full.length, device=self.device).expand(b, h, -1)]
+        for index, tier in enumerate(self.tiers, start=1):
+            keys, values, positions, valid = tier.dense()
+            parts_k.append(keys)
+            parts_v.append(values)
+            parts_p.append(positions)
+            parts_ok.append(valid)
+            tier_of.append(torch.full(positions.shape, index, dtype=torch.long, device=self.device))
+            slot_of.append(torch.arange(positions.shape[2], device=self.device).expand(b, h, -1))
+        valid = torch.cat(parts_ok, dim=2)
+        positions = torch.cat(parts_p, dim=2)
+        big = torch.iinfo(torch.long).max
+        order = torch.sort(torch.where(valid, positions, big), dim=2, stable=True).indices
+        width = int(self.lengths().max())
+        order = order[:, :, :width]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            index = order if t.dim() == 3 else order.unsqueeze(-1).expand(*order.shape, t.shape[-1])
+            return torch.gather(t, 2, index)
+
+        keys, values = take(torch.cat(parts_k, dim=2)), take(torch.cat(parts_v, dim=2))
+        kept_valid = take(valid)
+        extras = {}
+        for name, extra in full.extras.items():
+            spec = self.side_specs.get(name)  # type: ignore[attr-defined]
+            fill = spec.fill if spec is not None else 0.0
+            pad = torch.full((b, h, valid.shape[2] - full.length, *extra.shape[3:]), fill, dtype=extra.dtype,
+                             device=self.device)
+            joined = torch.cat([extra, pad], dim=2)
+            index = order.view(*order.shape, *([1] * (joined.dim() - 3))).expand(*order.shape, *joined.shape[3:])
+            extras[name] = torch.gather(joined, 2, index)
+        view = DenseView(keys, values, take(positions), None if bool(kept_valid.all()) else kept_valid, extras)
+        return view, take(torch.cat(tier_of, dim=2)), take(torch.cat(slot_of, dim=2))
+
+    def _origins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tier (0: full precision) and slot in that tier's own view of every combined-view slot."""
+        self.dense()
+        assert self._combined is not None
+        return self._combined[2], self._combined[3]
+
+    # ------------------------------------------------------------------ compaction across tiers
+    def keep(self, local_index: torch.Tensor, counts: torch.Tensor, tiers: torch.Tensor | None = None) -> torch.Tensor:
+        """Keep ``local_index[s, :counts[s]]`` of the dense (combined) view and free the rest.
+
+        ``tiers`` ``(segments, K)``: the tier each kept *full-precision* entry moves to (0: stays in full
+        precision; ``t ≥ 1``: quantized into ``self.tiers[t - 1]``); entries already quantized stay in their
+        tier. Everything is read from one view before anything moves. Returns the kept full-precision rows
+        (before the move), as the plain store does.
+        """
+        if not self.tiered and (tiers is None or not bool((tiers > 0).any())):
+            return super().keep(local_index, counts)
+        view = self.dense()
+        b, h, device = self.batch, self.heads, self.device
+        counts = counts.to(torch.long).cpu().reshape(-1)
+        width = local_index.shape[1]
+        chosen = torch.arange(width, device=device)[None, :] < counts.to(device)[:, None]
+        index = local_index.to(device).clamp(max=max(view.length - 1, 0))
+        if self.tiered:
+            tier_of, slot_of = self._origins()
+            origin = torch.gather(tier_of.reshape(b * h, -1), 1, index)
+            slots = torch.gather(slot_of.reshape(b * h, -1), 1, index)
+        else:
+            origin, slots = torch.zeros_like(index), index
+        target = torch.zeros_like(index) if tiers is None else tiers.to(device).to(torch.long)
+        moving: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for number in range(1, len(self.tiers) + 1):
+            pick = chosen & (origin == 0) & (target == number)
+            if bool(pick.any()):
+                moving.append((number - 1, *self._gather(view, index, pick), pick.sum(dim=1).cpu()))
+        rows = torch.arange(b * h, device=device)[:, None].expand_as(slots)
+        for number, tier in enumerate(self.tiers, start=1):
+            if tier.empty:
+                continue
+            mask = torch.zeros(b * h, int(tier.groups_per_segment.max()) * tier.group, dtype=torch.bool,
+                               device=device)
+            pick = chosen & (origin == number)
+            mask[rows[pick], slots[pick]] = True
+            tier.keep(mask.view(b, h, -1))
+        stay = chosen & (origin == 0) & (target == 0)
+        full_counts = stay.sum(dim=1).cpu()
+        order = torch.where(stay, slots, torch.iinfo(torch.long).max)
+        kept_width = int(full_counts.max()) if full_counts.numel() else 0
+        full_local = torch.sort(order, dim=1).values[:, :kept_width].clamp(max=max(self.max_length - 1, 0))
+        src = super().keep(full_local, full_counts)
+        for tier_index, keys, values, positions, per_segment in moving:
+            self.tiers[tier_index].add(keys, values, positions, per_segment)
+        self._combined = None
+        return src
+
+    def _gather(self, view: DenseView, index: torch.Tensor, pick: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions of the picked entries, segment by segment, in position order."""
+        segments, length, d = self.batch * self.heads, view.length, self.head_dim
+        expand = index.unsqueeze(-1).expand(-1, -1, d)
+        keys = torch.gather(view.keys.reshape(segments, length, d), 1, expand)[pick]
+        values = torch.gather(view.values.reshape(segments, length, d), 1, expand)[pick]
+        positions = torch.gather(view.positions.reshape(segments, length), 1, index)[pick]
+        return keys, values, positions
+
+    # ------------------------------------------------------------------ batch and snapshots
+    def select_batch(self, index: torch.Tensor) -> None:
+        super().select_batch(index)
+        for tier in self.tiers:
+            tier.select_batch(index)
+        self._combined = None

@@ -1,0 +1,88 @@
+"""A layer store with a quantized tier: the combined view, moves into the tier, and keeps across tiers."""
+
+from __future__ import annotations
+
+import torch
+from test_quantize_ops import _kivi_by_hand
+
+from kvsieve.cache.store import LayerStore
+
+B, H, D = 2, 2, 16
+
+
+def _store(length: int = 12) -> tuple[LayerStore, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, H, length, D, generator=gen)
+    values = torch.randn(B, H, length, D, generator=gen)
+    store = LayerStore(B, H, D, torch.float32, torch.device("cpu"))
+    store.append(keys, values, 0, None)
+    store.add_tier(bits=4, group=4, value_group=8)
+    return store, keys, values
+
+
+def _rows(local: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in local)
+    index = torch.tensor([r + [0] * (width - len(r)) for r in local])
+    return index, torch.tensor([len(r) for r in local])
+
+
+def _tiered(low: list[list[int]], full: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep ``low`` (into tier 1) and ``full`` (full precision) of each segment."""
+    merged = [sorted(a + b) for a, b in zip(low, full, strict=True)]
+    index, counts = _rows(merged)
+    tiers = torch.tensor([[1 if i in a else 0 for i in r] + [0] * (index.shape[1] - len(r))
+                          for a, r in zip(low, merged, strict=True)])
+    return index, counts, tiers
+
+
+def test_quantized_entries_join_the_view_in_position_order():
+    store, keys, values = _store()
+    old = [[0, 1, 2, 3, 4, 5], [0, 2, 4, 6], [1, 3], [0, 1, 2, 3, 4, 5, 6, 7]]  # per segment b·H + h
+    stay = [[i for i in range(12) if i not in r] for r in old]
+    store.keep(*_tiered(old, stay))  # keep everything: `old` quantized, the rest in full precision
+    assert store.lengths().flatten().tolist() == [12] * 4
+    assert store.full_lengths().flatten().tolist() == [len(s) for s in stay]
+    view = store.dense()
+    assert torch.equal(view.positions, torch.arange(12).expand(B, H, 12))
+    for seg, moved in enumerate(old):
+        b, h = divmod(seg, H)
+        for i in range(12):
+            if i not in moved:  # full precision: exact
+                assert torch.equal(view.keys[b, h, i], keys[b, h, i])
+                assert torch.equal(view.values[b, h, i], values[b, h, i])
+        moved_keys = keys[b, h, moved]
+        for first in range(0, len(moved), 4):  # KIVI key groups of 4 in the order they arrived
+            group = moved_keys[first:first + 4]
+            expected = _kivi_by_hand(group, 4, group.shape[0], per_channel=True)
+            torch.testing.assert_close(view.keys[b, h, moved[first:first + 4]], expected, rtol=0, atol=0)
+        expected_v = _kivi_by_hand(values[b, h, moved], 4, 8, per_channel=False)
+        torch.testing.assert_close(view.values[b, h, moved], expected_v, rtol=0, atol=0)
+    assert store.kv_nbytes() < 12 * B * H * 2 * D * 4  # fewer bytes than all entries in float32
+
+
+def test_keep_routes_each_entry_to_its_tier():
+    store, _, _ = _store()
+    store.keep(*_tiered([[0, 1, 2, 3]] * 4, [list(range(4, 12))] * 4))  # nothing dropped, 4 quantized
+    before = store.dense()
+    keep = [[1, 3, 5, 11], [0, 4, 8], [2, 3, 10, 11], [6]]
+    store.keep(*_rows(keep))
+    after = store.dense()
+    assert store.lengths().flatten().tolist() == [len(k) for k in keep]
+    for seg, kept in enumerate(keep):
+        b, h = divmod(seg, H)
+        n = len(kept)
+        assert torch.equal(after.positions[b, h, :n], before.positions[b, h, kept])
+        assert torch.equal(after.keys[b, h, :n], before.keys[b, h, kept])  # bit for bit, either tier
+        assert torch.equal(after.values[b, h, :n], before.values[b, h, kept])
+
+
+def test_batch_selection_moves_tiers_with_their_rows():
+    store, _, _ = _store()
+    low = [[0, 1], [0], [2, 3, 4], [5]]
+    store.keep(*_tiered(low, [[i for i in range(12) if i not in r] for r in low]))
+    before = store.dense()
+    store.select_batch(torch.tensor([1, 1, 0]))
+    after = store.dense()
+    for new_b, old_b in enumerate([1, 1, 0]):
+        assert torch.equal(after.keys[new_b], before.keys[old_b]) and torch.equal(after.positions[new_b],
+                                                                                    before.positions[old_b])
