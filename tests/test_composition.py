@@ -66,6 +66,9 @@ def test_every_composition_runs_or_is_refused_at_construction(scorer, selector, 
     assert out.shape == (1, PROMPT + STEPS)
     assert torch.isfinite(model(out[:, -1:], **kvsieve.cache_kwargs(model, cache)).logits).all()
     held = cache.head_lengths()
-    if policy.evicts:
+    if policy.action.quantizes:  # KIVI regime: nothing evicted, the budget is the full-precision part
+        full = torch.stack([layer.store.full_lengths() for layer in cache.layers])
+        assert int(full.max()) <= BUDGET + STEPS + 1 and int(held.max()) <= PROMPT + STEPS + 1
+    elif policy.evicts:
         assert int(held.max()) <= BUDGET + STEPS + 1  # the prompt's compaction, then one entry per step
     assert cache.get_seq_length() == PROMPT + STEPS  # generate feeds all but its last token; one more step

@@ -279,7 +279,14 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
             extra = 0 if multi and not one_query else buffer
         heads = lengths.shape[2]
         budgets = {layer: layer_target(policy, cache, layer, 0) for layer in managed}
-        if not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry, whatever the allocator
+        if policy.action.quantizes:  # the budget counts full-precision entries (bytes); the rest is quantized
+            for layer in managed:
+                store = cache.layers[layer].store
+                full = store.full_lengths() if store is not None else lengths[layer]
+                bound = max(budgets[layer], protected_bound(policy)) + extra
+                assert int(full.max()) <= bound, (layer, full.tolist(), bound)
+                assert int(lengths[layer].max()) <= cache.get_seq_length(), lengths[layer].tolist()
+        elif not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry, whatever the allocator
             assert int(lengths[managed].max()) <= cache.get_seq_length(), lengths.tolist()
         elif isinstance(policy.allocator, GlobalBudget):
             total = sum(heads * budgets[layer] for layer in managed)

@@ -294,6 +294,10 @@ def random_scores(policy: kvsieve.Policy, lengths: list[int], program: Program) 
     return any(isinstance(s, RandomScores) for s in _scorers(policy))
 
 
+def quantizes(policy: kvsieve.Policy, lengths: list[int], program: Program) -> bool:
+    return bool(policy.action.quantizes)
+
+
 def blocks_misaligned_by_padding(policy: kvsieve.Policy, lengths: list[int], program: Program) -> bool:
     block = policy.schedule.block_length()
     return block is not None and any(p % block for p in _pads(lengths))
@@ -339,6 +343,11 @@ KNOWN_ROW_DEPENDENCE: dict[str, Callable[[kvsieve.Policy, list[int], Program], b
     # parts/selectors (quest, sparq, hsa, rocketkv): without position ids a padded row's queries and keys are
     # rotated by its padding, which the per-dimension approximations see
     "test_sparse_selector_configuration_follows_the_longest_row": sparse_selector_sized_by_the_longest_row,
+    # parts/actions/quantize.py: a padded batch's keys and values differ from the row's alone by float
+    # rounding (~1e-7, the model's own batched kernels); a number at a rounding boundary of its quantization
+    # step then gets the neighbouring code (a whole step apart). Which entries go to which tier is decided
+    # per row (test_quantization_tiers_are_decided_per_row); the codes follow the float noise.
+    "test_quantization_codes_follow_the_batchs_float_rounding": quantizes,
 }
 
 
@@ -532,6 +541,43 @@ def test_decoding_buffer_is_per_row():
     # alone, the 6-token row grows to 10 ≤ budget + buffer = 11 and is never evicted; in the batch it is
     # evicted to 8 when the 20-token row reaches 12
     assert _differs(model, rows, "h2o", {"budget": 8, "schedule": "decode", "buffer": 3}, program, 0) == "same"
+
+
+@pytest.mark.xfail(strict=True, reason="quantization: codes flip at rounding boundaries under batched float noise")
+def test_quantization_codes_follow_the_batchs_float_rounding():
+    model = get_model("llama", "kv")
+    rows = [prompt(length=n, seed=10 + n)[0] for n in (11, 37)]
+    assert _differs(model, rows, "kivi", {"budget": 8}, Program([("decode", 5)]), 0) == "same"
+
+
+@pytest.mark.parametrize("policy", ["kivi", "mixed"])
+def test_quantization_tiers_are_decided_per_row(policy):
+    """What a row keeps in full precision and in the quantized tier is the same alone and in a batch."""
+    from kvsieve.cache.store_layout import StoreLayout
+
+    model = get_model("llama", "kv")
+    rows = [prompt(length=n, seed=10 + n)[0] for n in (11, 23, 37)]
+    params = {"budget": 8, **({"window": 2} if policy == "mixed" else {})}
+    ids, mask, pads = left_pad(rows)
+    batch = kvsieve.KVCache(model, policy, **params)
+    with torch.inference_mode():
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              **cache_kwargs(model, batch))
+    batch.flush()
+    for b, row in enumerate(rows):
+        alone = kvsieve.KVCache(model, policy, **params)
+        with torch.inference_mode():
+            model(row[None], **cache_kwargs(model, alone))
+        alone.flush()
+        for layer in range(len(alone.layers)):
+            one, many = alone.layers[layer].store, batch.layers[layer].store
+            for h in range(one.heads):
+                full_one = StoreLayout.dense(one).positions[0, h][: int(one.full_lengths()[0, h])]
+                full_many = StoreLayout.dense(many).positions[b, h][: int(many.full_lengths()[b, h])] - pads[b]
+                assert torch.equal(full_one, full_many), (policy, b, layer, h)
+                all_one = one.dense().positions[0, h][: int(one.lengths()[0, h])]
+                all_many = many.dense().positions[b, h][: int(many.lengths()[b, h])] - pads[b]
+                assert torch.equal(all_one, all_many), (policy, b, layer, h)
 
 
 @pytest.mark.xfail(strict=True, reason="engine: blockwise blocks are cut at the padded forward's slots")

@@ -36,7 +36,7 @@ def _cmd_list(_: argparse.Namespace) -> int:
             example = None
         described = [f"{kind}={part}" for kind, part in entry.parts().items() if part is not None]
         described += [f"{alias}: another {kind}" for alias, kind in entry.aliases.items()]
-        kind = "evicts" if entry.deletes else "keeps all entries"
+        kind = getattr(entry.action, "effect", "evicts") if entry.deletes else "keeps all entries"
         schedules = ", ".join(example.schedules()) if example is not None else "prefill, decode, blockwise"
         print(f"  {name:<16} {entry.summary}")
         print(f"  {'':<16} [{kind}; {'; '.join(described) or 'no parts'}; schedules: {schedules}]")

@@ -25,6 +25,8 @@ class Plan:
         merge_target: ``(segments, M)`` rank in ``keep`` (``0 ≤ r < counts[s]``) of the receiving entry.
         merge_weight: ``(segments, M)`` weight of each merged entry (e.g. its attention score).
         keep_weight: ``(segments, K)`` weight of each kept entry itself in a merge (None: its token count).
+        tiers: ``(segments, K)`` precision tier of each kept entry (0: the model dtype; ``t ≥ 1``: the store's
+            ``t``-th quantized tier; None: every entry stays where it is) — quantizing actions only.
     """
 
     keep: torch.Tensor
@@ -33,6 +35,7 @@ class Plan:
     merge_target: torch.Tensor | None = None
     merge_weight: torch.Tensor | None = None
     keep_weight: torch.Tensor | None = None
+    tiers: torch.Tensor | None = None
 
     @property
     def merges(self) -> bool:

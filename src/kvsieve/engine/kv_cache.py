@@ -21,9 +21,11 @@ from kvsieve.attention.forward import LAYER_TAG
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.register import prepare_model
 from kvsieve.cache.store import LayerStore
+from kvsieve.core.part import PolicyConfigError
 from kvsieve.engine.engine import Engine
 from kvsieve.engine.layer_inputs import install_layer_input_hooks
 from kvsieve.models.architectures import ModelInfo, model_info
+from kvsieve.ops.quantize import full_entries_for_bytes
 from kvsieve.policies.policy import Policy
 from kvsieve.policies.presets import make_policy
 from kvsieve.transformers_adapter import Cache, CacheLayerMixin
@@ -203,6 +205,21 @@ class KVLayer(CacheLayerMixin):
         return None
 
 
+def budget_from_bytes(model: torch.nn.Module, params: dict[str, Any]) -> dict[str, Any]:
+    """``budget_bytes`` (bytes of keys and values per KV head) as ``budget``: the full-precision entries of the
+    model's dtype and head size those bytes hold (a quantizing action then spends them as bytes)."""
+    params = dict(params)
+    budget_bytes = params.pop("budget_bytes")
+    if "budget" in params or "ratio" in params:
+        raise PolicyConfigError("give either budget_bytes or budget/ratio, not both")
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 1:
+        raise PolicyConfigError(f"budget_bytes must be an int ≥ 1 (bytes of keys and values per KV head); "
+                                f"got {budget_bytes!r}")
+    element = next(model.parameters()).element_size()
+    params["budget"] = full_entries_for_bytes(budget_bytes, model_info(model).head_dim, element)
+    return params
+
+
 class KVCache(Cache):
     """A compressed KV cache for one model and one policy.
 
@@ -210,7 +227,8 @@ class KVCache(Cache):
         model: a decoder-only causal LM (see :mod:`kvsieve.models.architectures`). The model instance is
             switched to the ``"kvsieve"`` attention (the model's own attention when no kvsieve cache is used).
         policy: a :class:`Policy`, a registered name, or None for ``full``.
-        **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``).
+        **params: policy parameters when ``policy`` is a name (e.g. ``budget=256``); ``budget_bytes=`` gives
+            the budget as bytes of keys and values per KV head instead (see :func:`budget_from_bytes`).
 
     Everything is validated before the model is touched: an invalid policy, parameter or
     architecture raises and leaves the model as it was.
@@ -218,6 +236,8 @@ class KVCache(Cache):
 
     def __init__(self, model: torch.nn.Module, policy: Policy | str | None = None, **params: Any):
         name = "full" if policy is None else policy
+        if "budget_bytes" in params:
+            params = budget_from_bytes(model, params)
         resolved = policy if isinstance(policy, Policy) else make_policy(name, **params)
         if isinstance(policy, Policy) and params:
             raise ValueError("pass parameters inside the Policy object, not as keyword arguments")

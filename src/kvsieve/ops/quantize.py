@@ -138,3 +138,8 @@ def bytes_per_entry(head_dim: int, bits: int, group: int, key_group_tokens: int)
     value_params = 2 * 2 * (head_dim // group)
     key_params = 2 * 2 * head_dim / key_group_tokens
     return codes + value_params + key_params
+
+
+def full_entries_for_bytes(budget_bytes: int, head_dim: int, element: int) -> int:
+    """Full-precision entries (key + value of ``element``-byte numbers) that ``budget_bytes`` per head buys."""
+    return max(1, budget_bytes // (2 * head_dim * element))

@@ -26,8 +26,12 @@ class Action(Part):
     name: ClassVar[str] = "evict"
     #: Per-entry side data the action keeps (merge counts...).
     SIDE: ClassVar[tuple[SideSpec, ...]] = ()
-    #: Whether applying a plan removes entries (``mark`` only labels them).
+    #: Whether applying a plan removes entries or loses precision (``mark`` only labels them).
     deletes: ClassVar[bool] = True
+    #: Whether entries move into quantized tiers (:mod:`kvsieve.parts.actions.quantize`).
+    quantizes: ClassVar[bool] = False
+    #: What ``kvsieve list`` says a policy with this action does.
+    effect: ClassVar[str] = "evicts"
 
     def side(self) -> tuple[SideSpec, ...]:
         return self.SIDE

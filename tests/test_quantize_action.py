@@ -1,0 +1,153 @@
+"""Quantization as a third action: KIVI (Liu et al., 2024, arXiv:2402.02750) and mixed precision at equal bytes.
+
+The reference for ``kivi`` is the recipe computed by hand on the uncompressed cache's own keys and values:
+the oldest entries of each head, keys per channel in groups of ``G`` tokens and values per token in groups
+of ``value_group`` channels, float16 steps and minimums; the next token's logits are compared with the
+model attending to exactly those dequantized entries through a plain ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from helpers import prompt
+from test_quantize_ops import _kivi_by_hand
+from transformers import DynamicCache
+
+import kvsieve
+from kvsieve.cache.store_layout import StoreLayout
+from kvsieve.transformers_adapter import cache_kwargs
+
+LENGTH, RESIDUAL, GROUP, VALUE_GROUP = 40, 8, 4, 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("llama")
+
+
+def _kivi(model, bits: int, **params) -> kvsieve.KVCache:
+    return kvsieve.KVCache(model, "kivi", budget=RESIDUAL, bits=bits, group=GROUP, value_group=VALUE_GROUP,
+                           buffer=GROUP - 1, **params)
+
+
+def _reference(model, ids: torch.Tensor, bits: int) -> DynamicCache:
+    """A DynamicCache holding the KIVI recipe's dequantized entries, computed by hand from the full cache."""
+    full = DynamicCache(config=model.config)
+    model(ids, **cache_kwargs(model, full))
+    quantized = LENGTH - RESIDUAL
+    reference = DynamicCache(config=model.config)
+    for index, layer in enumerate(full.layers):
+        keys, values = layer.keys.clone(), layer.values.clone()
+        for b in range(keys.shape[0]):
+            for h in range(keys.shape[1]):
+                for first in range(0, quantized, GROUP):
+                    block = slice(first, min(first + GROUP, quantized))
+                    keys[b, h, block] = _kivi_by_hand(keys[b, h, block], bits, block.stop - block.start, True)
+                values[b, h, :quantized] = _kivi_by_hand(values[b, h, :quantized], bits, VALUE_GROUP, False)
+        reference.update(keys, values, index)
+    return reference
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_reproduces_the_recipe_computed_by_hand(model, bits):
+    ids = prompt(length=LENGTH)
+    cache = _kivi(model, bits)
+    model(ids, **cache_kwargs(model, cache))
+    cache.flush()  # a prompt's plan waits for the prompt to end; inspection applies it
+    reference = _reference(model, ids, bits)
+    for layer in range(len(cache.layers)):
+        store = cache.layers[layer].store
+        assert store.lengths().flatten().tolist() == [LENGTH] * store.lengths().numel()  # nothing evicted
+        assert store.full_lengths().flatten().tolist() == [RESIDUAL] * store.lengths().numel()
+        view = store.dense()
+        torch.testing.assert_close(view.keys, reference.layers[layer].keys, rtol=0, atol=0)
+        torch.testing.assert_close(view.values, reference.layers[layer].values, rtol=0, atol=0)
+        assert torch.equal(view.positions[0, 0], torch.arange(LENGTH))
+    token = prompt(length=1, seed=5)
+    got = model(token, **cache_kwargs(model, cache)).logits
+    expected = model(token, **cache_kwargs(model, reference)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kivi_streams_whole_groups_while_decoding(model):
+    ids = prompt(length=LENGTH)
+    cache = _kivi(model, 2)
+    out = model.generate(ids, max_new_tokens=13, do_sample=False, **cache_kwargs(model, cache))
+    assert out.shape[1] == LENGTH + 13
+    held = LENGTH + 12  # the last generated token is never fed back
+    for layer in cache.layers:
+        assert layer.store.lengths().flatten().tolist() == [held] * layer.store.lengths().numel()
+        full = layer.store.full_lengths()
+        assert bool((full >= RESIDUAL).all()) and bool((full < RESIDUAL + GROUP).all())
+        assert bool((layer.store.tiers[0].counts % GROUP == 0).all())  # only whole groups were formed
+
+
+def test_kivi_holds_fewer_bytes_than_the_full_cache(model):
+    ids = prompt(length=LENGTH)
+    full = kvsieve.KVCache(model, "full")
+    model(ids, **cache_kwargs(model, full))
+    cache = _kivi(model, 2)
+    model(ids, **cache_kwargs(model, cache))
+    quantized = (LENGTH - RESIDUAL) / LENGTH
+    # 2-bit codes (1/8 of float32 per number... of the model's float32) plus float16 steps and minimums
+    assert cache.kv_nbytes() < full.kv_nbytes() * (1 - quantized * 0.6)
+
+
+def test_mixed_precision_spends_the_bytes_of_budget_entries(model):
+    ids = prompt(length=96)
+    budget = 40
+    evict = kvsieve.KVCache(model, "restkv", budget=budget, window=8)
+    model(ids, **cache_kwargs(model, evict))
+    mixed = kvsieve.KVCache(model, "mixed", budget=budget, window=8, group=GROUP, value_group=VALUE_GROUP)
+    model(ids, **cache_kwargs(model, mixed))
+    assert mixed.kv_nbytes() <= evict.kv_nbytes() * 1.05  # equal bytes (partial groups cost a little)
+    for layer in mixed.layers:
+        held, full = layer.store.lengths(), layer.store.full_lengths()
+        assert bool((full == budget // 2).all())  # half the bytes in full precision
+        assert bool((held > budget).all())  # more entries than eviction keeps
+    for head in range(2):  # the full-precision entries are the best-scored ones, which eviction keeps too
+        evicted_kept = set(evict.kept_positions(1, 0, head).tolist())
+        full_view = StoreLayout.dense(mixed.layers[1].store)  # the full-precision tier alone
+        full_kept = set(full_view.positions[0, head].tolist())
+        assert len(full_kept) == budget // 2 and full_kept <= evicted_kept
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(model, mixed))
+    assert out.shape[1] == 100
+
+
+def test_any_scorer_composes_with_the_quantize_action(model):
+    ids = prompt(length=48)
+    cache = kvsieve.KVCache(model, "snapkv", budget=16, window=4, action="quantize", bits=4, low_share=0.25,
+                            group=GROUP, value_group=VALUE_GROUP, allocator="adaptive")
+    model(ids, **cache_kwargs(model, cache))
+    cache.flush()
+    assert all(layer.store.tiers and not layer.store.tiers[0].empty for layer in cache.layers)
+
+
+def test_budget_bytes_is_a_budget_in_full_entries(model):
+    head_dim, element = 16, 4  # the tiny Llama in float32
+    cache = kvsieve.KVCache(model, "snapkv", budget_bytes=32 * 2 * head_dim * element, window=4)
+    assert cache.policy.budget == 32
+    with pytest.raises(kvsieve.PolicyConfigError, match="budget_bytes"):
+        kvsieve.KVCache(model, "snapkv", budget_bytes=0)
+    with pytest.raises(kvsieve.PolicyConfigError, match="either budget_bytes or budget"):
+        kvsieve.KVCache(model, "snapkv", budget_bytes=4096, budget=8)
+
+
+@pytest.mark.parametrize(
+    ("params", "mentions"),
+    [
+        ({"action": "quantize"}, "side data"),  # h2o keeps an accumulator per entry
+        ({"action": "quantize", "bits": 3}, "bits must be one of"),
+        ({"action": "quantize", "low_share": 1.5}, "low_share"),
+    ],
+)
+def test_bad_combinations_are_refused_before_any_work(model, params, mentions):
+    with pytest.raises(kvsieve.PolicyConfigError, match=mentions):
+        kvsieve.KVCache(model, "h2o" if mentions == "side data" else "snapkv", budget=16, **params)
+
+
+def test_value_group_must_divide_the_head_size(model):
+    with pytest.raises(kvsieve.PolicyConfigError, match="value_group must divide"):
+        kvsieve.KVCache(model, "kivi", budget=8, value_group=5)
