@@ -151,3 +151,12 @@ def test_bad_combinations_are_refused_before_any_work(model, params, mentions):
 def test_value_group_must_divide_the_head_size(model):
     with pytest.raises(kvsieve.PolicyConfigError, match="value_group must divide"):
         kvsieve.KVCache(model, "kivi", budget=8, value_group=5)
+
+
+def test_inspection_sees_every_tier(model):
+    ids = prompt(length=LENGTH)
+    cache = _kivi(model, 2)
+    model(ids, **cache_kwargs(model, cache))
+    assert cache.kept_positions(0, 0, 1).tolist() == list(range(LENGTH))
+    keys, values = cache.kept_entries(0, 0, 1)
+    assert keys.shape == (LENGTH, 16) and values.shape == (LENGTH, 16)

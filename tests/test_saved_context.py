@@ -95,3 +95,14 @@ def test_a_policy_object_context_says_how_to_save(tiny, tmp_path: Path) -> None:
     with pytest.raises(kvsieve.SavedContextError, match="preset name"):
         ctx.save(tmp_path / "ctx")
     assert not (tmp_path / "ctx.json").exists()
+
+
+@pytest.mark.parametrize("policy", ["kivi", "mixed"])
+def test_quantized_contexts_answer_many_questions_and_refuse_saving(tiny, tmp_path: Path, policy: str) -> None:
+    model, tokenizer = tiny
+    ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, policy, budget=48, group=8, value_group=16)
+    first = _answers(ctx)
+    assert _answers(ctx) == first  # each question starts from the same compressed context
+    assert ctx.cache.layers[0].store.tiered
+    with pytest.raises(kvsieve.SavedContextError, match="quantized entries"):
+        ctx.save(tmp_path / "ctx")

@@ -34,7 +34,7 @@ from kvsieve.cache.store_tiers import StoreTiers
 __all__ = ["GROWTH", "DenseView", "LayerStore", "SideSpec", "StoreHook"]
 
 
-class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):
+class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: it wraps the others
     """Keys, values, absolute positions and per-entry side data of one layer, ragged per segment."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):

@@ -175,6 +175,12 @@ class StoreTiers(StoreCompaction):
         return keys, values, positions
 
     # ------------------------------------------------------------------ batch and snapshots
+    def entries(self) -> dict[str, torch.Tensor]:
+        if self.tiered:
+            raise ValueError("this layer holds quantized entries, which cannot be saved yet; save a context "
+                             "compressed without the quantize action")
+        return super().entries()  # type: ignore[misc, no-any-return]
+
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)
         for tier in self.tiers:

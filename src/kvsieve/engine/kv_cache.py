@@ -327,13 +327,20 @@ class KVCache(Cache):
         return store, slice(start, start + length)
 
     def kept_positions(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> torch.Tensor:
-        """Absolute positions of the entries one head holds, ascending."""
+        """Absolute positions of the entries one head holds, ascending (every precision tier)."""
         store, rows = self._segment(layer_idx, batch_idx, head)
+        if store.tiered:
+            n = int(store.lengths()[batch_idx, head])
+            return store.dense().positions[batch_idx, head, :n].clone()
         return store.positions[rows].clone()
 
     def kept_entries(self, layer_idx: int, batch_idx: int = 0, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(n, head_dim)`` one head holds (post-RoPE, as the model wrote them)."""
+        """Keys and values ``(n, head_dim)`` one head holds (post-RoPE, as the model wrote them; quantized
+        entries dequantized)."""
         store, rows = self._segment(layer_idx, batch_idx, head)
+        if store.tiered:
+            n, view = int(store.lengths()[batch_idx, head]), store.dense()
+            return view.keys[batch_idx, head, :n].clone(), view.values[batch_idx, head, :n].clone()
         return store.keys[rows].clone(), store.values[rows].clone()
 
     def peak_head_length(self, include_left_alone: bool = False) -> int:

@@ -77,7 +77,11 @@ def save_context(
         for index, layer in enumerate(cache.layers):
             layers.append({"seen": layer.seen, "forwards": layer.forwards, "held": layer.store is not None})
             if layer.store is not None:
-                for name, tensor in layer.store.entries().items():
+                try:
+                    held = layer.store.entries()
+                except ValueError as err:
+                    raise SavedContextError(f"save: {err}") from None
+                for name, tensor in held.items():
                     tensors[f"layer.{index}.{name}"] = tensor.detach().contiguous().cpu()
         compactions = cache.engine.compactions
     else:
