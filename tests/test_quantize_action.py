@@ -160,3 +160,34 @@ def test_inspection_sees_every_tier(model):
     assert cache.kept_positions(0, 0, 1).tolist() == list(range(LENGTH))
     keys, values = cache.kept_entries(0, 0, 1)
     assert keys.shape == (LENGTH, 16) and values.shape == (LENGTH, 16)
+
+
+def test_several_tiers_take_the_next_best_entries_in_decreasing_precision(model):
+    ids = prompt(length=96)
+    budget = 40
+    evict = kvsieve.KVCache(model, "restkv", budget=budget, window=8)
+    model(ids, **cache_kwargs(model, evict))
+    tiers = kvsieve.KVCache(model, "mixed", budget=budget, window=8, bits=(4, 2), low_share=(0.25, 0.25),
+                            group=GROUP, value_group=VALUE_GROUP)
+    model(ids, **cache_kwargs(model, tiers))
+    assert tiers.kv_nbytes() <= evict.kv_nbytes() * 1.05
+    for layer in tiers.layers:
+        store = layer.store
+        assert [tier.bits for tier in store.tiers] == [4, 2]
+        assert all(not tier.empty for tier in store.tiers)
+        assert bool((store.full_lengths() == budget // 2).all())
+        assert bool((store.tiers[1].lengths() > store.tiers[0].lengths()).all())  # 2-bit entries are cheaper
+
+
+@pytest.mark.parametrize(
+    ("params", "mentions"),
+    [
+        ({"bits": (2, 4), "low_share": (0.2, 0.2)}, "decreasing order"),
+        ({"bits": (4, 2), "low_share": 0.5}, "one low_share per tier"),
+        ({"bits": (4, 2), "low_share": (0.6, 0.6)}, "sum to at most 1"),
+        ({"bits": (4, 2)}, "need a low_share"),
+    ],
+)
+def test_bad_tiers_are_refused(params, mentions):
+    with pytest.raises(kvsieve.PolicyConfigError, match=mentions):
+        kvsieve.make_policy("snapkv", budget=16, action="quantize", **params)

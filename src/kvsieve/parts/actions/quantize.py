@@ -44,25 +44,53 @@ from kvsieve.parts.scorers.streaming_llm import Sinks
 
 @dataclass(frozen=True)
 class Quantize(Action):
-    """Keep the plan's best entries in the model dtype and store the others at ``bits`` bits (see the module)."""
+    """Keep the plan's best entries in the model dtype and store the others at lower precision (see the module).
+
+    ``bits`` may name several tiers in decreasing precision (``(4, 2)``) with one ``low_share`` each: the
+    next-best entries after the full-precision ones go to the first tier, the next ones to the second...
+    """
 
     name: ClassVar[str] = "quantize"
     #: Entries move into quantized tiers (the policy then refuses parts that cannot read tiers yet).
     quantizes: ClassVar[bool] = True
     #: What ``kvsieve list`` says a policy with this action does.
     effect: ClassVar[str] = "quantizes"
-    bits: int = 2
+    bits: int | tuple[int, ...] = 2
     group: int = 32
     value_group: int = 32
-    low_share: float | None = None
+    low_share: float | tuple[float, ...] | None = None
+
+    @property
+    def tier_bits(self) -> tuple[int, ...]:
+        return self.bits if isinstance(self.bits, tuple) else (self.bits,)
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """The share of the byte budget each low tier gets (mixed regime)."""
+        if self.low_share is None:
+            return ()
+        return self.low_share if isinstance(self.low_share, tuple) else (self.low_share,)
 
     def validate(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise PolicyConfigError(f"{self.name}: bits must be one of {SUPPORTED_BITS}; got {self.bits!r}")
+        bits = self.tier_bits
+        if not bits or any(b not in SUPPORTED_BITS for b in bits) or list(bits) != sorted(set(bits), reverse=True):
+            raise PolicyConfigError(f"{self.name}: bits must be one of {SUPPORTED_BITS}, or several of them in "
+                                    f"decreasing order such as (4, 2); got {self.bits!r}")
         require_int(self.name, "group", self.group, 1, 4096)
         require_int(self.name, "value_group", self.value_group, 1, 4096)
-        if self.low_share is not None:
-            require_number(self.name, "low_share", self.low_share, 0.0, 1.0, low_open=True)
+        if self.low_share is None:
+            if len(bits) > 1:
+                raise PolicyConfigError(f"{self.name}: several tiers (bits={self.bits!r}) need a low_share for "
+                                        "each (the KIVI regime, low_share=None, has one)")
+            return
+        shares = self.shares
+        if len(shares) != len(bits):
+            raise PolicyConfigError(f"{self.name}: give one low_share per tier of bits={self.bits!r}; got "
+                                    f"{self.low_share!r}")
+        for share in shares:
+            require_number(self.name, "low_share", share, 0.0, 1.0, low_open=True)
+        if sum(shares) > 1.0:
+            raise PolicyConfigError(f"{self.name}: the low_share values must sum to at most 1; got {self.low_share!r}")
 
     def check_model(self, config: object, info: object) -> None:
         """``value_group`` must divide the head size (values are grouped along channels); a group larger than
@@ -73,41 +101,48 @@ class Quantize(Action):
                                     f"got {self.value_group}")
 
     def split(self, counts: torch.Tensor, protected: torch.Tensor, head_dim: int, element: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per head: entries kept in full precision and entries kept at ``bits`` bits (mixed regime), from
-        the budget ``counts`` in full-entry units and the number of ``protected`` entries."""
+              ) -> list[torch.Tensor]:
+        """Per head, entries kept in full precision and then in each low tier (mixed regime), from the budget
+        ``counts`` in full-entry units and the number of ``protected`` entries."""
         full_bytes = 2 * head_dim * element
-        low_bytes = bytes_per_entry(head_dim, self.bits, min(self.value_group, head_dim), self.group)
-        assert self.low_share is not None
-        full = torch.floor(counts.double() * (1.0 - self.low_share)).long()
+        budget = counts.double()
+        full = torch.floor(budget * (1.0 - sum(self.shares))).long()
         full = torch.minimum(torch.maximum(full, protected), counts)
-        low = torch.floor((counts - full).double() * full_bytes / low_bytes).long()
-        return full, low
+        spare = (counts - full).double() / max(sum(self.shares), 1e-12)  # what the low tiers share
+        out = [full]
+        for bits, share in zip(self.tier_bits, self.shares, strict=True):
+            low_bytes = bytes_per_entry(head_dim, bits, min(self.value_group, head_dim), self.group)
+            out.append(torch.floor(spare * share * full_bytes / low_bytes).long())
+        return out
 
     def plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
         lengths = step.lengths()
         if self.low_share is None:
-            full, kept = counts, lengths
+            bands, kept = [counts], lengths
         else:
             protected = torch.isposinf(scores).sum(dim=-1)
-            full, low = self.split(counts, protected, step.store.head_dim, step.store.keys.element_size())
-            kept = torch.minimum(full + low, lengths)
+            bands = self.split(counts, protected, step.store.head_dim, step.store.keys.element_size())
+            kept = torch.minimum(sum(bands[1:], bands[0]), lengths)
         width = int(kept.max()) if kept.numel() else 0
         batch, heads, length = scores.shape
         flat = scores.reshape(batch * heads, length)
         top = torch.topk(flat, width, dim=-1, sorted=True).indices
         rank = torch.arange(width, device=scores.device)[None, :]
         filler = rank >= kept.reshape(-1, 1)
-        tiers = (rank >= full.reshape(-1, 1)).long()
+        tiers = torch.zeros_like(rank).expand(batch * heads, -1).clone()
+        edge = torch.zeros_like(counts).reshape(-1, 1)
+        for band in bands[:-1] if self.low_share is not None else bands:
+            edge = edge + band.reshape(-1, 1)
+            tiers += (rank >= edge).long()
         top = top.masked_fill(filler, length)
         order = torch.sort(top, dim=-1)
         return Plan(order.values, kept.cpu().reshape(-1), tiers=torch.gather(tiers, 1, order.indices))
 
     def apply(self, store: LayerStore, plan: Plan) -> None:
         if not store.tiers:
-            store.add_tier(self.bits, self.group, min(self.value_group, store.head_dim))
+            for bits in self.tier_bits:
+                store.add_tier(bits, self.group, min(self.value_group, store.head_dim))
         store.keep(plan.keep, plan.counts, plan.tiers)
-
 
 PRESETS = (
     Preset("kivi", "KIVI: every entry but the most recent `budget` (full-precision residual) quantized, keys per "
