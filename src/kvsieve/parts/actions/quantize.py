@@ -112,7 +112,8 @@ class Quantize(Action):
         out = [full]
         for bits, share in zip(self.tier_bits, self.shares, strict=True):
             low_bytes = bytes_per_entry(head_dim, bits, min(self.value_group, head_dim), self.group)
-            out.append(torch.floor(spare * share * full_bytes / low_bytes).long())
+            low = torch.floor(spare * share * full_bytes / low_bytes).long()
+            out.append(low - low % self.group)  # whole groups: a partial group would cost a group's bytes
         return out
 
     def plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
