@@ -47,6 +47,11 @@ BAD_PARAMS = [
     pytest.param("adakv", {"budget": 8, "window": 4, "alpha": 1.5}, "alpha", id="adakv-alpha"),
     pytest.param("adakv", {"budget": 8, "window": 4, "base": "full"}, "base", id="adakv-base-full"),
     pytest.param("adakv", {"budget": 8, "base": "quest"}, "base", id="adakv-base-without-a-scorer"),
+    pytest.param("adakv", {"budget": 8, "base": "h2o", "window": 4}, "unexpected parameter 'window'",
+                 id="adakv-window-over-a-base-without-one"),
+    pytest.param("snapkv", {"budget": 8, "buffer": 4}, "buffer belongs to the .* schedules", id="buffer-on-prefill"),
+    pytest.param("h2o", {"budget": 8, "action": "quantize"}, "side data", id="quantize-a-side-data-scorer"),
+    pytest.param("quest", {"budget": 8, "action": "quantize"}, "has no scorer|selector", id="quantize-a-selector"),
 ]
 
 
