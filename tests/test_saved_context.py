@@ -98,11 +98,36 @@ def test_a_policy_object_context_says_how_to_save(tiny, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("policy", ["kivi", "mixed"])
-def test_quantized_contexts_answer_many_questions_and_refuse_saving(tiny, tmp_path: Path, policy: str) -> None:
+def test_quantized_contexts_answer_many_questions_and_save_as_held(tiny, tmp_path: Path, policy: str) -> None:
+    """A context with quantized entries answers every question from the same state, and a saved copy holds the
+    tiers packed (no more bytes than the cache's own) and answers exactly as the saved one."""
     model, tokenizer = tiny
     ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, policy, budget=48, group=8, value_group=16)
     first = _answers(ctx)
     assert _answers(ctx) == first  # each question starts from the same compressed context
     assert ctx.cache.layers[0].store.tiered
-    with pytest.raises(kvsieve.SavedContextError, match="quantized entries"):
-        ctx.save(tmp_path / "ctx")
+    weights, _ = ctx.save(tmp_path / "ctx")
+    loaded = kvsieve.load_context(tmp_path / "ctx", model, tokenizer)
+    assert _answers(loaded) == first
+    assert torch.equal(loaded.cache.head_lengths(), ctx.cache.head_lengths())
+    assert loaded.cache.kv_nbytes() == ctx.cache.kv_nbytes()
+    for layer in range(model.config.num_hidden_layers):
+        for head in range(model.config.num_key_value_heads):
+            ours, theirs = loaded.cache.kept_entries(layer, 0, head), ctx.cache.kept_entries(layer, 0, head)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    # packed: the file holds the codes, not dequantized entries (positions and validity are 9 bytes an entry)
+    entries = int(ctx.cache.head_lengths().sum())
+    assert weights.stat().st_size < ctx.cache.kv_nbytes() + 9 * entries + 64 * 1024
+
+
+def test_a_tier_saved_for_another_shape_is_refused(tiny) -> None:
+    model, tokenizer = tiny
+    ctx = kvsieve.compress_context(model, tokenizer, CONTEXT, "mixed", budget=48, group=8, value_group=16)
+    store = ctx.cache.layers[0].store
+    saved = store.entries()
+    before = {k: v.clone() for k, v in store.entries().items()}
+    broken = {**saved, "tier.0.config": torch.tensor([4, 8, 16])}
+    with pytest.raises(ValueError, match=r"tier: key_codes .* \(bits, group, value_group\) = \(4, 8, 16\)"):
+        store.restore(broken)
+    after = store.entries()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.ops.quantize import PARAM_DTYPE, asymmetric_codes, check_bits, pack, unpack
+from kvsieve.ops.quantize import PARAM_DTYPE, asymmetric_codes, check_bits, code_table, pack, unpack_float
 
 
 class QuantizedTier:
@@ -47,6 +47,8 @@ class QuantizedTier:
         self.counts = torch.zeros(batch * heads, dtype=torch.long)
         #: Bumped by every change (views built from the tier compare it).
         self.version = 0
+        self._table: torch.Tensor | None = None
+        self._layout: tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ size
     @property
@@ -131,39 +133,59 @@ class QuantizedTier:
 
     # ------------------------------------------------------------------ reading
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every slot ``(groups, G, d)`` in the model dtype (free slots hold garbage)."""
+        """Keys and values of every slot ``(groups, G, d)`` in the model dtype (free slots hold garbage):
+        ``code·step + minimum`` computed in float32 (one lookup for the codes, one fused multiply-add)."""
         g, d = self.group, self.head_dim
         groups = self.key_codes.shape[0]
-        key_codes = unpack(self.key_codes, self.bits, d).float()
-        keys = key_codes * self.key_params[:, 0:1].float() + self.key_params[:, 1:2].float()
-        value_codes = unpack(self.value_codes, self.bits, d).float().view(groups, g, d // self.value_group,
-                                                                         self.value_group)
+        if self._table is None:
+            self._table = code_table(self.bits, self.device)
+        key_params = self.key_params.float()
+        keys = torch.addcmul(key_params[:, 1:2], unpack_float(self.key_codes, self._table, d), key_params[:, 0:1])
+        value_codes = unpack_float(self.value_codes, self._table, d).view(groups, g, d // self.value_group,
+                                                                          self.value_group)
         params = self.value_params.float()
-        values = value_codes * params[:, :, 0, :, None] + params[:, :, 1, :, None]
+        values = torch.addcmul(params[:, :, 1, :, None], value_codes, params[:, :, 0, :, None])
         return keys.to(self.dtype), values.reshape(groups, g, d).to(self.dtype)
+
+    def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`dense`'s ``(keys, values, positions, valid)`` for attention, with ``valid`` None when every slot
+        holds an entry. The slot layout (and the positions) are kept until the tier changes, so a decoding step
+        only dequantizes — and, when heads hold different numbers of groups, gathers the dequantized groups."""
+        layout = self._layout
+        if layout is None or layout[0] != self.version:
+            layout = self._layout = (self.version, *self._slot_layout())
+        _, index, positions, valid = layout
+        keys, values = self.dequantized()
+        if index is not None:
+            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        shape = (self.batch, self.heads, positions.shape[2], self.head_dim)
+        return keys.view(shape), values.view(shape), positions, valid
+
+    def _slot_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Group gather index (None when every segment holds as many groups), padded positions, and slot
+        validity (None when full) of the :meth:`dense` layout; decided from host bookkeeping, no device read."""
+        g, per_segment = self.group, self.groups_per_segment
+        most = int(per_segment.max()) if self.segments else 0
+        shape = (self.batch, self.heads, most * g)
+        if bool((per_segment == most).all()):
+            full = bool((self.counts == most * g).all())
+            return None, self.positions.view(shape), None if full else self.valid.view(shape)
+        first = torch.cumsum(per_segment, 0) - per_segment
+        offs = torch.arange(most)
+        present = (offs[None, :] < per_segment[:, None]).to(self.device)
+        index = (first[:, None] + offs[None, :]).clamp(max=max(self.key_codes.shape[0] - 1, 0)).reshape(-1)
+        index = index.to(self.device)
+        positions = self.positions.index_select(0, index).view(shape)
+        valid = (self.valid.index_select(0, index).view(self.segments, most, g) & present.unsqueeze(-1)).view(shape)
+        return index, positions, valid
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, positions, valid)`` padded to ``(batch, heads, slots, ...)``: each segment's groups'
         slots in order (slots, not entries: a removed entry leaves an invalid slot)."""
-        g = self.group
-        most = int(self.groups_per_segment.max()) if self.segments else 0
-        keys, values = self.dequantized()
-        first = torch.cumsum(self.groups_per_segment, 0) - self.groups_per_segment
-        offs = torch.arange(most)
-        present = offs[None, :] < self.groups_per_segment[:, None]
-        index = (first[:, None] + offs[None, :]).clamp(max=max(keys.shape[0] - 1, 0)).to(self.device)
-        present = present.to(self.device)
-        shape = (self.batch, self.heads, most * g)
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            if t.shape[0] == 0:
-                return t.new_zeros((self.segments, most, *t.shape[1:]))
-            return t.index_select(0, index.reshape(-1)).view(self.segments, most, *t.shape[1:])
-
-        valid = gather(self.valid) & present.unsqueeze(-1)
-        d = self.head_dim
-        return (gather(keys).view(*shape, d), gather(values).view(*shape, d), gather(self.positions).view(shape),
-                valid.view(shape))
+        keys, values, positions, valid = self.attention_parts()
+        if valid is None:
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=self.device)
+        return keys, values, positions, valid
 
     # ------------------------------------------------------------------ removing entries
     def keep(self, keep: torch.Tensor) -> None:
@@ -185,6 +207,38 @@ class QuantizedTier:
         alive = alive_host.to(self.device)
         for name in _BUFFERS:
             setattr(self, name, getattr(self, name)[alive])
+
+    # ------------------------------------------------------------------ saving
+    def state(self) -> dict[str, torch.Tensor]:
+        """Everything the tier holds, for a saved context: its buffers (codes, steps and minimums, positions,
+        slot validity), the per-segment counts and ``config`` = ``(bits, group, value_group)``."""
+        out = {name: getattr(self, name) for name in _BUFFERS}
+        out["groups_per_segment"] = self.groups_per_segment.clone()
+        out["counts"] = self.counts.clone()
+        out["config"] = torch.tensor([self.bits, self.group, self.value_group])
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Hold exactly what :meth:`state` returned (checked against this tier's shape first; a mismatch raises
+        ``ValueError`` and changes nothing)."""
+        config = [int(x) for x in state["config"].tolist()]
+        if config != [self.bits, self.group, self.value_group]:
+            raise ValueError(f"tier saved as (bits, group, value_group) {tuple(config)}; this tier is "
+                             f"{(self.bits, self.group, self.value_group)}")
+        groups = state["groups_per_segment"].to(torch.long).cpu()
+        total = int(groups.sum())
+        expected = {name: (total, *getattr(self, name).shape[1:]) for name in _BUFFERS}
+        if groups.numel() != self.segments:
+            raise ValueError(f"tier: saved for {groups.numel()} segments; this store has {self.segments}")
+        for name, shape in expected.items():
+            if tuple(state[name].shape) != shape:
+                raise ValueError(f"tier: {name} {tuple(state[name].shape)}, expected {shape} for {total} groups "
+                                 f"at (bits, group, value_group) = {tuple(config)}, head size {self.head_dim}")
+        for name in _BUFFERS:
+            setattr(self, name, state[name].to(device=self.device, dtype=getattr(self, name).dtype).contiguous())
+        self.groups_per_segment = groups.clone()
+        self.counts = state["counts"].to(torch.long).cpu().clone()
+        self.version += 1
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / select batch items (beam search, batch filtering), as the full-precision store does."""

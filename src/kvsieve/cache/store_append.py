@@ -83,9 +83,10 @@ class StoreAppend(StoreLayout):
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
         segs = self.segments
-        if self._next_rows is None:
+        if self._next_rows is None or self._next_cols is None:
             self._next_rows = (self._start + self._length).to(self.device)
-        dst = self._next_rows
+            self._next_cols = self._length.to(self.device)
+        dst, col = self._next_rows, self._next_cols[:, None]
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
         self.positions.index_fill_(0, dst, position)
@@ -94,14 +95,13 @@ class StoreAppend(StoreLayout):
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
             index, valid, width = cached
-            col = self._length.to(self.device)[:, None]
             if int(self._max_length) + 1 > width:
                 index = torch.cat([index, index[:, -1:]], dim=1)
                 valid = torch.cat([valid, torch.zeros_like(valid[:, -1:])], dim=1)
             index = index.scatter(1, col, dst[:, None])
             valid = valid.scatter(1, col, True)
             self._gather_cache = (index, valid, int(self._max_length) + 1)
-        self._next_rows = dst + 1
+        self._next_rows, self._next_cols = dst + 1, self._next_cols + 1
         self._length += 1
         self._max_length += 1
         self._min_slack -= 1

@@ -91,8 +91,11 @@ class StoreCompaction(StoreLayout):
             view[:, :, : values.shape[2]] += values.to(target.dtype)
             return
         index, valid, _ = self.gather_index()
-        flat_values = values.reshape(self.segments, -1, *target.shape[1:])
-        target.index_add_(0, index[valid], flat_values[valid].to(target.dtype))
+        flat_values = values.reshape(self.segments, -1, *target.shape[1:]).to(target.dtype)
+        # padding slots add zero (no boolean indexing: its size would be a host read on a GPU)
+        mask = valid.view(*valid.shape, *([1] * (flat_values.dim() - 2)))
+        added = torch.where(mask, flat_values, torch.zeros((), dtype=target.dtype, device=target.device))
+        target.index_add_(0, index.reshape(-1), added.reshape(-1, *target.shape[1:]))
 
     def write_rows(self, rows: torch.Tensor, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    extras: dict[str, torch.Tensor] | None = None) -> None:

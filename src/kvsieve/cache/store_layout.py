@@ -43,6 +43,8 @@ class StoreLayout:
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._next_rows: torch.Tensor | None = None
+        #: Per segment, the slot a decoding step writes next, on the entries' device (no host copy per step).
+        self._next_cols: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ layout bookkeeping
     @property
@@ -82,7 +84,7 @@ class StoreLayout:
         """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
         self._dense_cache = None
         self._gather_cache = None
-        self._next_rows = None
+        self._next_rows = self._next_cols = None
         segs = self.segments
         if segs == 0:
             self._uniform = (0, 0)

@@ -9,7 +9,8 @@ takes indices into that view and routes each kept entry to where it lives; :meth
 full-precision entries into a tier. Without tier entries every method is the plain store's (no cost).
 
 Quantized entries carry no per-entry side data (a policy whose scorer keeps side data cannot quantize;
-:class:`~kvsieve.parts.actions.quantize.Quantize` refuses it).
+:class:`~kvsieve.parts.actions.quantize.Quantize` refuses it). :meth:`StoreTiers.entries` and
+:meth:`StoreTiers.restore` save and load the tiers as held (packed), for saved contexts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.cache.quantized_tier import QuantizedTier
 from kvsieve.cache.store_compaction import StoreCompaction
+
+#: Prefix of a tier's tensors in :meth:`StoreTiers.entries` (``tier.0.key_codes``, ...).
+TIER_PREFIX = "tier."
 
 
 class StoreTiers(StoreCompaction):
@@ -68,6 +72,36 @@ class StoreTiers(StoreCompaction):
         view, tier_of, slot_of = self._combine(full)
         self._combined = (full, view, tier_of, slot_of, version)
         return view
+
+    def attention_view(self) -> DenseView:
+        """Every held entry for attention, **not** in position order: the full-precision view, then each tier's
+        slots (:meth:`QuantizedTier.attention_parts`). Attention depends on the entries and their positions, not
+        their order, so a decoding step reads this instead of :meth:`dense`: it dequantizes and concatenates,
+        but neither sorts nor gathers. Without tier entries it is :meth:`dense`."""
+        full = super().dense()
+        if not self.tiered:
+            return full
+        parts = [tier.attention_parts() for tier in self.tiers if not tier.empty]
+        keys = torch.cat([full.keys, *(part[0] for part in parts)], dim=2)
+        values = torch.cat([full.values, *(part[1] for part in parts)], dim=2)
+        valids = [full.valid, *(part[3] for part in parts)]
+        valid = None
+        if any(v is not None for v in valids):
+            shapes = [full.keys.shape[:3], *(part[0].shape[:3] for part in parts)]
+            valid = torch.cat([v if v is not None else torch.ones(shape, dtype=torch.bool, device=self.device)
+                               for v, shape in zip(valids, shapes, strict=True)], dim=2)
+        extras = full.extras
+        if extras:  # side data has no quantized counterpart: tier slots get each field's fill
+            width = keys.shape[2] - full.length
+            extras = {name: torch.cat([extra, torch.full((*extra.shape[:2], width, *extra.shape[3:]),
+                                                         self.side_specs[name].fill if name in self.side_specs
+                                                         else 0.0, dtype=extra.dtype, device=self.device)], dim=2)
+                      for name, extra in extras.items()}
+
+        def fetch(name: str) -> torch.Tensor:
+            return torch.cat([full.positions, *(part[2] for part in parts)], dim=2)
+
+        return DenseView(keys, values, None, valid, extras, fetch, ())
 
     def _combine(self, full: DenseView) -> tuple[DenseView, torch.Tensor, torch.Tensor]:
         b, h = self.batch, self.heads
@@ -176,10 +210,33 @@ class StoreTiers(StoreCompaction):
 
     # ------------------------------------------------------------------ batch and snapshots
     def entries(self) -> dict[str, torch.Tensor]:
-        if self.tiered:
-            raise ValueError("this layer holds quantized entries, which cannot be saved yet; save a context "
-                             "compressed without the quantize action")
-        return super().entries()  # type: ignore[misc, no-any-return]
+        """The full-precision entries (as the plain store saves them) and each tier's state as
+        ``tier.<i>.<name>`` (packed codes, steps and minimums as held: nothing is dequantized to be saved)."""
+        out: dict[str, torch.Tensor] = super().entries()  # type: ignore[misc]
+        for index, tier in enumerate(self.tiers):
+            out.update({f"{TIER_PREFIX}{index}.{name}": tensor for name, tensor in tier.state().items()})
+        return out
+
+    def restore(self, entries: dict[str, torch.Tensor]) -> None:
+        """Hold exactly ``entries`` (as :meth:`entries` returns them), tiers included; every part is checked
+        before anything changes (``ValueError`` naming what does not fit)."""
+        tiers: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in entries.items():
+            if key.startswith(TIER_PREFIX):
+                number, _, name = key.removeprefix(TIER_PREFIX).partition(".")
+                tiers.setdefault(int(number), {})[name] = tensor
+        if sorted(tiers) != list(range(len(tiers))):
+            raise ValueError(f"entries: tiers {sorted(tiers)} are not numbered 0…{len(tiers) - 1}")
+        built = []
+        for number in range(len(tiers)):
+            bits, group, value_group = (int(x) for x in tiers[number]["config"].tolist())
+            tier = QuantizedTier(self.batch, self.heads, self.head_dim, bits, group, value_group, self.dtype,
+                                 self.device)
+            tier.load_state(tiers[number])
+            built.append(tier)
+        super().restore({k: v for k, v in entries.items() if not k.startswith(TIER_PREFIX)})  # type: ignore[misc]
+        self.tiers = built
+        self._combined = None
 
     def select_batch(self, index: torch.Tensor) -> None:
         super().select_batch(index)

@@ -13,6 +13,7 @@ import torch
 
 from kvsieve.attention.kernel import attend, causal_mask, output_mask
 from kvsieve.attention.masks import dense_causal_mask
+from kvsieve.cache.dense_view import DenseView
 from kvsieve.core.selection import Selection
 from kvsieve.core.step import LayerStep
 from kvsieve.engine.layer_call import LayerCall
@@ -40,6 +41,8 @@ def held_output(
     ``row_configs`` is the engine's record of each batch row's selector configuration per layer.
     """
     module, sliding_window, left_alone = call.module, call.sliding_window, call.layer.left_alone
+    if step.store.tiered:  # quantized entries (no side data, no selector: the policy refuses both)
+        return all_entries_output(step, module, sliding_window, None, step.store.attention_view())
     view = step.view
     bias = step.bias()
     expanded = None if left_alone else policy.action.expanded(step)
@@ -68,10 +71,14 @@ def held_output(
 
 
 def all_entries_output(
-    step: LayerStep, module: torch.nn.Module, sliding_window: int | None, bias: torch.Tensor | None
+    step: LayerStep, module: torch.nn.Module, sliding_window: int | None, bias: torch.Tensor | None,
+    view: DenseView | None = None,
 ) -> torch.Tensor:
-    """Attention of the step's queries over every held entry (visibility from stored positions)."""
-    view = step.view
+    """Attention of the step's queries over every held entry (visibility from stored positions); ``view``
+    defaults to the step's dense view (attention does not depend on the order of the entries, so a tiered
+    store passes its cheaper unordered :meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`)."""
+    if view is None:
+        view = step.view
     if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
         return attend(module, step.query, view.keys, view.values, None, step.form)
     mask = output_mask(

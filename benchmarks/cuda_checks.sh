@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The CUDA checks of issues 21 and 22, for a lent GPU machine (nothing depends on it; CI never runs it):
+# the CUDA test module (tests/test_cuda.py: full == DynamicCache, CPU == CUDA kept positions, every preset
+# generating on CUDA, host synchronisations per decoding step) and the mixed-precision decoding benchmark on
+# the default model's architecture and on Llama-3.1-8B's, random weights (the weights cannot travel there).
+# Writes into ${OUT:-results/cuda}: test_cuda.log and one quantize_decode_cuda_*.json per model.
+set -u
+out=${OUT:-results/cuda}
+mkdir -p "$out"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -s -rf tests/test_cuda.py > "$out/test_cuda.log" 2>&1
+echo "tests rc=$?"
+grep -E "SYNCS|passed|failed|FAILED|Error" "$out/test_cuda.log" | cut -c1-400
+for model in random-smollm2 random-llama8b; do
+  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quantize_decode.py --device cuda --model "$model" \
+    --output "$out/quantize_decode_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|prefill T|PASS|FAIL|Error|error"
+done
+# code unpacking on the GPU: lookup table (what the CPU prefers) vs shifts and masks, Llama-8B batch-8 tier shapes
+python3 - <<'PY'
+import time, torch
+from kvsieve.ops.quantize import code_table, unpack, unpack_float
+packed = torch.randint(0, 256, (8 * 8 * 10, 32, 32), dtype=torch.uint8, device="cuda")
+table = code_table(2, packed.device)
+def timed(fn):
+    for _ in range(5): fn()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(50): fn()
+    torch.cuda.synchronize(); return (time.perf_counter() - t) / 50 * 1e6
+assert torch.equal(unpack_float(packed, table, 128), unpack(packed, 2, 128).float())
+print(f"unpack 2-bit {tuple(packed.shape)}: lookup {timed(lambda: unpack_float(packed, table, 128)):.1f} us, "
+      f"shifts {timed(lambda: unpack(packed, 2, 128).float()):.1f} us")
+PY

@@ -1,0 +1,128 @@
+"""CUDA checks, skipped where no GPU is present (CI never has one; run them on a lent GPU machine).
+
+kvsieve must be device-agnostic: every tensor on the input's device, no hidden host round trips on the
+decoding hot path. On the tiny models of ``conftest.py`` moved to CUDA:
+
+* ``full`` gives the plain ``DynamicCache``'s greedy tokens and logits (float32, ``1e-5``) on every
+  architecture, and a compressed cache the same kept positions as the same cache on the CPU (float32; a
+  mismatch would mean the device changes which entries a method keeps);
+* every preset generates a batch with left padding on CUDA, its cache stays on CUDA and within budget;
+* a decoding step without a compaction synchronises with the host **zero** times for the caches the
+  engine promises it for (counted with ``torch.cuda.set_sync_debug_mode("warn")``); the count of every other
+  preset is printed (``-s``), so a lent machine's log says where round trips remain.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from conftest import ARCHS, build_model, default_implementation
+from helpers import generate, left_pad, prompt, reference_cache, with_test_gates
+
+import kvsieve
+from kvsieve.transformers_adapter import cache_kwargs
+
+#: ``KVSIEVE_TEST_DEVICE=cpu`` runs the device-comparison tests on the CPU against itself (a dry run of the
+#: module where no GPU is present).
+CUDA = torch.device(os.environ.get("KVSIEVE_TEST_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+#: One preset per scorer family, allocator, action and selector.
+PRESETS = ("snapkv", "adakv", "pyramidkv", "h2o", "tova", "restkv", "h2o_caote", "ems", "rocketkv", "quest",
+           "sparq", "streaming_llm", "random", "dbtrimkv", "kivi", "mixed")
+#: Presets whose decoding step (no compaction) the engine promises never to synchronise.
+NO_SYNC = ("full", "snapkv", "adakv", "restkv", "streaming_llm")
+
+
+def _cuda_model(arch: str) -> torch.nn.Module:
+    return build_model(arch).to(CUDA)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_matches_dynamic_cache_on_cuda(arch: str) -> None:
+    model, ref = _cuda_model(arch), build_model(arch, default_implementation(arch)).to(CUDA)
+    ids = prompt(2, 40, seed=3).to(CUDA)
+    tokens, logits = generate(model, ids, kvsieve.KVCache(model, "full"), steps=6)
+    from transformers import DynamicCache
+
+    ref_tokens, ref_logits = generate(ref, ids, DynamicCache(config=ref.config), steps=6)
+    assert torch.equal(tokens, ref_tokens)
+    for ours, theirs in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    _, prefill_logits = reference_cache(ref, ids)
+    assert prefill_logits.device.type == CUDA.type
+
+
+@pytest.mark.parametrize("policy", ("snapkv", "adakv", "restkv", "h2o", "tova", "mixed"))
+def test_kept_positions_match_the_cpu(policy: str) -> None:
+    cpu_model, gpu_model = build_model("llama"), _cuda_model("llama")
+    ids = prompt(2, 64, seed=5)
+    kept = []
+    for model, device in ((cpu_model, torch.device("cpu")), (gpu_model, CUDA)):
+        cache = kvsieve.KVCache(model, policy, budget=32)
+        model(ids.to(device), **cache_kwargs(model, cache))
+        cache.flush()
+        kept.append([cache.kept_positions(layer, b, h).cpu() for layer in range(3) for b in range(2) for h in range(2)])
+    for cpu_positions, gpu_positions in zip(*kept, strict=True):
+        assert torch.equal(cpu_positions, gpu_positions)
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_every_preset_generates_on_cuda(policy: str) -> None:
+    """Generation with left padding runs on CUDA, keeps every entry there, and holds as many entries per head
+    as the same cache on the CPU."""
+    ids, mask, _ = left_pad([prompt(1, 96, seed=1)[0], prompt(1, 72, seed=2)[0]])
+    lengths = []
+    for device in (torch.device("cpu"), CUDA):
+        model = build_model("llama").to(device)
+        params = with_test_gates(model, policy, {"budget": 40})
+        if "gates" in params:
+            params["gates"] = params["gates"].to(device)
+        cache = kvsieve.KVCache(model, policy, **params)
+        tokens, _ = generate(model, ids.to(device), cache, steps=8, attention_mask=mask.to(device))
+        assert tokens.device.type == device.type and tokens.shape == (2, 104)
+        for layer in cache.layers:
+            assert layer.store.keys.device.type == device.type
+            for tier in layer.store.tiers:
+                assert tier.key_codes.device.type == device.type
+        lengths.append(cache.head_lengths())
+    assert torch.equal(lengths[0], lengths[1])
+
+
+def _syncs_per_step(policy: str, steps: int = 4) -> tuple[float, list[str]]:
+    model = _cuda_model("llama")
+    params = with_test_gates(model, policy, {} if policy == "full" else {"budget": 40})
+    if "gates" in params:
+        params["gates"] = params["gates"].to(CUDA)
+    cache = kvsieve.KVCache(model, policy, **params)
+    ids = prompt(2, 96, seed=4).to(CUDA)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+    cache.flush()
+    token = out.logits[:, -1:].argmax(-1)
+    for _ in range(2):  # warm: lazily built state
+        token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+    where: list[str] = []
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    return len(syncs) / steps, where
+
+
+@pytest.mark.parametrize("policy", ("full", *PRESETS))
+def test_decoding_steps_do_not_synchronise(policy: str) -> None:
+    if CUDA.type != "cuda":
+        pytest.skip("counts CUDA synchronisations")
+    per_step, where = _syncs_per_step(policy)
+    print(f"\nSYNCS {policy}: {per_step:.2f} per decoding step at {where}")
+    if policy in NO_SYNC:
+        assert per_step == 0, where
