@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.attention.kernel import QUERY_BLOCK, all_along, any_along, attention_rows, column_sums, visibility_mask
+from kvsieve.attention.kernel import (
+    QUERY_BLOCK,
+    all_along,
+    any_along,
+    attention_and_column_sums,
+    attention_rows,
+    column_sums,
+    visibility_mask,
+)
 
 BATCH, Q_HEADS, KV_HEADS, D = 2, 6, 2, 8
 GROUPS = Q_HEADS // KV_HEADS
@@ -88,3 +96,43 @@ def test_byte_reductions_equal_torch_any_all(seed):
             assert torch.equal(any_along(tensor, dim), tensor.any(dim=dim))
             assert torch.equal(all_along(tensor, dim), tensor.all(dim=dim))
             assert torch.equal(any_along(tensor, dim, keepdim=True), tensor.any(dim=dim, keepdim=True))
+
+
+@pytest.mark.parametrize("kind", ["causal", "padded", "window", "random", "bias"])
+def test_one_pass_output_and_column_sums(kind):
+    """``attention_and_column_sums``: the column sums are bit-identical to ``column_sums`` (same blocks, same
+    probabilities) and the output equals the dense softmax reference's ``A·V`` (float64) within 1e-5; queries
+    that see nothing get a zero output."""
+    n = 2 * QUERY_BLOCK + 77
+    query, keys, mask, bias = case(kind, n, seed=len(kind) + 1)
+    values = torch.randn(BATCH, KV_HEADS, n, D, generator=torch.Generator().manual_seed(9))
+    weight = torch.ones(BATCH, n)
+    weight[1, 5:9] = 0.0
+    output, sums = attention_and_column_sums(query, keys, values, mask, SCALE, weight, bias)
+    assert torch.equal(sums, column_sums(query, keys, mask, SCALE, weight, bias))
+    rows = dense_rows(query, keys, mask, bias)
+    expected = (rows @ values.double().repeat_interleave(GROUPS, dim=1)).transpose(1, 2)
+    assert output.shape == (BATCH, n, Q_HEADS, D) and output.dtype == values.dtype
+    torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_pass_output_matches_sdpa_in_bfloat16():
+    """On bfloat16 inputs (what the model runs) the one-pass output is the exact result (float64) rounded once
+    (within half an epsilon of bfloat16, relative, floor 2^-6), and never further from it than SDPA's own
+    output (which rounds its float32 work differently: up to ~10 epsilons on small outputs)."""
+    n = QUERY_BLOCK + 50
+    query, keys, mask, _ = case("causal", n, seed=3)
+    values = torch.randn(BATCH, KV_HEADS, n, D, generator=torch.Generator().manual_seed(4))
+    q, k, v = query.bfloat16(), keys.bfloat16(), values.bfloat16()
+    output, _ = attention_and_column_sums(q, k, v, mask, SCALE)
+
+    def sdpa(q, k, v):
+        k, v = k.repeat_interleave(GROUPS, dim=1), v.repeat_interleave(GROUPS, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE).transpose(1, 2)
+
+    exact = sdpa(q.double(), k.double(), v.double())
+    floor = exact.abs().clamp(min=2.0**-6)
+    ours = ((output.double() - exact).abs() / floor).max()
+    theirs = ((sdpa(q, k, v).double() - exact).abs() / floor).max()
+    assert ours <= 0.5 * torch.finfo(torch.bfloat16).eps + 1e-9
+    assert ours <= theirs

@@ -311,10 +311,51 @@ def column_sums(
     the block cannot see are masked (under a causal prefill, the block's own diagonal square), which
     gives the same softmax as masking every column (sinks are one more column every query sees).
     """
+    return _blockwise(query, keys, None, mask, form, query_weight, bias)[1]
+
+
+def attention_and_column_sums(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor],
+    form: AttentionForm | float,
+    query_weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention output ``(batch, q, q_heads, d)`` (values' dtype) **and** :func:`column_sums` from one pass.
+
+    The same blocks, logits and float32 probabilities as :func:`column_sums` (so the sums are bit-identical to
+    it) also give each block's output ``P·V`` (float32, cast once at the end) — the statistic H2O and EMS
+    accumulate costs no second ``q·k`` pass (the paper of EMS fuses it into the attention kernel the same way).
+    Queries that see no entry (padding) get a zero output. Against SDPA's output on the same entries the result
+    differs by float rounding only (summation order; ≤ 1 unit in the last place of bfloat16 observed).
+    """
+    output, total = _blockwise(query, keys, values, mask, form, query_weight, bias)
+    assert output is not None
+    return output, total
+
+
+def _blockwise(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor],
+    form: AttentionForm | float,
+    query_weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Column sums and, with ``values``, the output: see :func:`column_sums` and :func:`attention_and_column_sums`."""
     form = as_form(form)
     sinks = _grouped_sinks(form, keys.shape[1])
     batch, q_heads, q_len, _ = query.shape
+    kv_heads = keys.shape[1]
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
+    output = None
+    if values is not None:
+        output = torch.zeros(batch, kv_heads, q_heads // kv_heads, q_len, values.shape[-1], dtype=torch.float32,
+                             device=query.device)
+        values = values.float()[:, :, None]
     for lo in range(0, q_len, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q_len)
         block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
@@ -336,7 +377,13 @@ def column_sums(
         probs = softmax_with_sinks(logits, sinks)
         if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
+        if output is not None and values is not None:
+            output[..., lo:hi, :] = torch.matmul(probs, values[..., :limit, :])
         if query_weight is not None:
             probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
         total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)
-    return total
+    if output is None:
+        return None, total
+    assert values is not None
+    out = output.view(batch, q_heads, q_len, -1).transpose(1, 2)
+    return out.to(query.dtype).contiguous(), total

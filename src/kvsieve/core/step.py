@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsieve.attention.kernel import AttentionForm, attention_rows, column_sums, visibility_mask
+from kvsieve.attention.kernel import (
+    AttentionForm,
+    attention_and_column_sums,
+    attention_rows,
+    column_sums,
+    visibility_mask,
+)
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
 
@@ -190,6 +196,22 @@ class LayerStep:
                     self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
                 )
         return self._memo["colsum"]
+
+    def output_with_column_sums(self) -> torch.Tensor:
+        """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from
+        the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
+        alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic."""
+        self._require(COLUMN_SUMS)
+        positions, view = self.query_positions, self.view
+
+        def block_mask(lo: int, hi: int) -> torch.Tensor:
+            return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
+
+        output, total = attention_and_column_sums(
+            self.query, view.keys, view.values, block_mask, self.form, self.query_valid, self.bias()
+        )
+        self._memo["colsum"] = total
+        return output
 
     def window_rows_unchecked(self, window: int) -> torch.Tensor:
         allowed, self.allowed = self.allowed, None

@@ -30,7 +30,7 @@ import torch
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import LAYER_INPUTS, LayerStep
+from kvsieve.core.step import COLUMN_SUMS, LAYER_INPUTS, LayerStep
 from kvsieve.engine.attention_output import first_prompt_output, held_output
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
@@ -38,6 +38,7 @@ from kvsieve.engine.layer_call import LayerCall, LayerState
 from kvsieve.engine.layer_plans import LayerPlans
 from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.parts.actions.base import Action
 from kvsieve.policies.policy import Policy
 
 __all__ = ["Engine", "LayerState"]
@@ -57,6 +58,8 @@ class Engine:
         self.managed = info.managed_layers
         self._global = policy.allocator.scope == "global"
         self._needs = policy.scorer.needs() if policy.scorer is not None else frozenset()
+        #: The action attends over the held entries as stored (EMS with positions expands merged centres).
+        self._plain_action = type(policy.action).expanded is Action.expanded
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
@@ -192,9 +195,29 @@ class Engine:
         assert store is not None
         first = layer.seen == 0 and store.total_entries() == 0
         step = self._append(call)
-        output = first_prompt_output(call, step) if first else held_output(self.policy, self._row_configs, call, step)
+        if self._fuses_statistics(call, step):
+            output = step.output_with_column_sums()
+        elif first:
+            output = first_prompt_output(call, step)
+        else:
+            output = held_output(self.policy, self._row_configs, call, step)
         self._after_output(call, step)
         return output
+
+    def _fuses_statistics(self, call: LayerCall, step: LayerStep) -> bool:
+        """Whether this prompt forward's output comes from the pass that also computes the column sums.
+
+        Only for a managed layer whose scorer needs them, on more than one query, over the held entries as
+        they are (no action that expands merged centres), and when this layer can evict now (more entries than
+        its budget, or a ratio): with nothing to evict the output stays SDPA's, bit-identical to plain
+        transformers, and the statistic is computed on its own as before.
+        """
+        if COLUMN_SUMS not in self._needs or call.layer.left_alone or step.q_len == 1 or not self._plain_action:
+            return False
+        budget = self._plans.layer_budget(call.layer.layer_idx)
+        if budget is None:
+            return bool(self.policy.ratio)
+        return step.store.max_length > budget
 
     def _append(self, call: LayerCall) -> LayerStep:
         """Append the call's (non-padding) entries and describe the forward as a :class:`LayerStep`."""
