@@ -14,6 +14,7 @@ from kvsieve.cache.store_layout import StoreLayout
 class StoreCompaction(StoreLayout):
     """The compaction half of :class:`~kvsieve.cache.store.LayerStore`."""
 
+    written_sides: set[str]
     hooks: list[StoreHook]
 
     def keep(self, local_index: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,7 @@ class StoreCompaction(StoreLayout):
                    extras: dict[str, torch.Tensor] | None = None) -> None:
         """Overwrite entries at flat ``rows`` in place (merges); positions and layout are unchanged."""
         self._dense_cache = None
+        self.written_sides.update(extras or {})
         if keys is not None:
             self.keys.index_copy_(0, rows, keys.to(self.dtype))
         if values is not None:

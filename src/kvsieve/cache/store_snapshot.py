@@ -11,6 +11,7 @@ from kvsieve.cache.store_layout import StoreLayout
 class StoreSnapshot(StoreLayout):
     """The save/restore part of :class:`~kvsieve.cache.store.LayerStore`."""
 
+    written_sides: set[str]
     hooks: list[StoreHook]
     peak_length: int
 
@@ -48,6 +49,7 @@ class StoreSnapshot(StoreLayout):
         self.extras = {name: entries[f"side.{name}"].to(device=self.device, dtype=t.dtype).contiguous()
                        for name, t in self.extras.items()}
         self._set_ragged(torch.cumsum(lengths, 0) - lengths, lengths, lengths.clone())
+        self.written_sides = set(self.extras)  # saved side data may be anything
         self.peak_length = max(self.peak_length, self.max_length)
         for hook in self.hooks:
             hook.after_layout(self)

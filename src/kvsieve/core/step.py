@@ -123,7 +123,10 @@ class LayerStep:
         return torch.ones(self.view.positions.shape, dtype=torch.bool, device=self.view.positions.device)
 
     def bias(self) -> torch.Tensor | None:
-        """Additive logit bias per held entry ``(batch, kv_heads, L)``: ``log(count)`` of merged entries."""
+        """Additive logit bias per held entry ``(batch, kv_heads, L)``: ``log(count)`` of merged entries; None
+        while no entry was merged (every count 1: the bias would be zero everywhere)."""
+        if MERGE_COUNT not in self.store.written_sides:
+            return None
         counts = self.view.extras.get(MERGE_COUNT)
         if counts is None:
             return None

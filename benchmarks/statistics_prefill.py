@@ -1,0 +1,134 @@
+"""Prefill cost of the scoring methods against SnapKV's: statistics fused into the attention pass (issue 22).
+
+For each prompt length (default 4096 and 8192, batch 1) every policy's prefill + compression
+(``KVCache(model, policy, budget=B)``, ``logits_to_keep=1``, then ``flush``) is timed ``--repeats`` times,
+policies rotating, after an untimed warm-up of each; medians. ``h2o`` and ``ems`` are also run with the fusion
+switched off (``<policy>_unfused``: SDPA, then the column sums in a second float32 pass — what every
+statistic cost before), so one run shows what the one-pass kernel saves.
+
+Goals (issue 22): prefill of ``h2o``, ``ems``, ``h2o_caote``, ``tova`` ≤ 1.15× ``snapkv``; ``restkv`` ≤ 1.05×.
+The JSON records the device (CPU model and bf16 support, or the GPU), dtype, threads, versions and the
+kvsieve commit, medians, ratios and raw samples.
+
+Usage: ``python benchmarks/statistics_prefill.py [--tokens 4096,8192] [--budget 256] [--repeats 5]
+[--device cpu|cuda] [--dtype bfloat16|float32] [--threads N] [--model smollm2|random-smollm2|random-llama8b]
+[--quick] [--output benchmarks/results/statistics_prefill.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_overhead import cpu_info, kvsieve_source, load_average, pick_dtype, prompts, spread
+from quantize_decode import device_info, load, prefill
+
+from kvsieve.engine.engine import Engine
+
+RESULTS = Path(__file__).parent / "results" / "statistics_prefill.json"
+POLICIES = ("snapkv", "h2o", "h2o_unfused", "ems", "ems_unfused", "h2o_caote", "tova", "restkv")
+GOALS = {"h2o": 1.15, "ems": 1.15, "h2o_caote": 1.15, "tova": 1.15, "restkv": 1.05}
+
+
+def timed_prefill(model: torch.nn.Module, name: str, budget: int, ids: torch.Tensor) -> float:
+    """Seconds of one prefill + compression; ``<policy>_unfused`` runs ``policy`` with the fusion off."""
+    policy = name.removesuffix("_unfused")
+    if name == policy:
+        return prefill(model, policy, {"budget": budget}, ids)[2]
+    original = Engine._fuses_statistics
+    Engine._fuses_statistics = lambda self, call, step: False  # type: ignore[method-assign]
+    try:
+        return prefill(model, policy, {"budget": budget}, ids)[2]
+    finally:
+        Engine._fuses_statistics = original  # type: ignore[method-assign]
+
+
+def measure(model: torch.nn.Module, pool: torch.Tensor, tokens: int, args: argparse.Namespace,
+            device: torch.device) -> dict[str, Any]:
+    ids = prompts(pool, 1, tokens, tokens).to(device)
+    names = list(args.policies.split(","))
+    for name in names:  # warm every path
+        timed_prefill(model, name, args.budget, ids[:, : min(tokens, 2 * args.budget)])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    load_before = load_average()
+    for rep in range(args.repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timed_prefill(model, name, args.budget, ids))
+    medians = {name: statistics.median(v) for name, v in times.items()}
+    ratios = {f"{name}_over_snapkv": medians[name] / medians["snapkv"] for name in names if name != "snapkv"}
+    print(f"  T={tokens}: " + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items()), flush=True)
+    print("    " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+    return {"tokens": tokens, "batch": 1, "budget": args.budget, "median_s": medians, "ratios": ratios,
+            "samples_s": times, "spread_s": {n: spread(v) for n, v in times.items()},
+            "load_average_before_after": [load_before, load_average()]}
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tokens", default="4096,8192")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "random-smollm2", "random-llama8b"])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1024 tokens, budget 128, 1 repeat")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.budget, args.repeats = "1024", 128, 1
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    device = torch.device(args.device)
+    cpu = cpu_info()
+    if device.type == "cuda":
+        dtype, note = {"float32": torch.float32}.get(args.dtype or "", torch.bfloat16), "GPU"
+    else:
+        dtype, note = pick_dtype(args.dtype, cpu["bf16_native"])
+    lengths = [int(t) for t in args.tokens.split(",")]
+    started = time.perf_counter()
+    model, pool = load(args.model, dtype, device, max(lengths))
+    meta = {"benchmark": "statistics_prefill", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+            "dtype_note": note, "device": device_info(device), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "kvsieve": kvsieve_source(), "load_average_at_start": load_average(),
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
+    print(json.dumps(meta, indent=2), flush=True)
+    rows = []
+    with torch.no_grad():
+        model(pool[:16].unsqueeze(0).to(device), use_cache=False)
+        for tokens in lengths:
+            rows.append(measure(model, pool, tokens, args, device))
+    goals = [{"name": f"prefill {policy}/snapkv T={row['tokens']}", "ratio": row["ratios"][f"{policy}_over_snapkv"],
+              "goal": goal, "pass": row["ratios"][f"{policy}_over_snapkv"] <= goal}
+             for row in rows for policy, goal in GOALS.items() if f"{policy}_over_snapkv" in row["ratios"]]
+    result = {**meta, "settings": {k: v for k, v in vars(args).items() if k != "output"}, "prefill": rows,
+              "goals": goals, "all_pass": all(g["pass"] for g in goals), "load_average_at_end": load_average(),
+              "wall_s": time.perf_counter() - started}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps([f"{g['name']}: {g['ratio']:.3f} (goal <= {g['goal']}) {'PASS' if g['pass'] else 'FAIL'}"
+                      for g in goals], indent=2))
+
+
+if __name__ == "__main__":
+    main()
