@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks of issues 21 and 22, for a lent GPU machine (nothing depends on it; CI never runs it):
-# the CUDA test module (tests/test_cuda.py: full == DynamicCache, CPU == CUDA kept positions, every preset
+# the CUDA test module (tests/test_cuda.py: full == DynamicCache, CPU == CUDA kept positions, fused statistics, every preset
 # generating on CUDA, host synchronisations per decoding step) and the mixed-precision decoding benchmark on
-# the default model's architecture and on Llama-3.1-8B's, random weights (the weights cannot travel there).
+# the default model's architecture and on Llama-3.1-8B's, random weights (the weights cannot travel there), and the
+# prefill cost of every scoring method vs snapkv with statistics fused and unfused (benchmarks/statistics_prefill.py).
 # Writes into ${OUT:-results/cuda}: test_cuda.log and one quantize_decode_cuda_*.json per model.
 set -u
 out=${OUT:-results/cuda}
@@ -14,8 +15,12 @@ timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -s -rf t
 echo "tests rc=$?"
 grep -E "SYNCS|passed|failed|FAILED|Error" "$out/test_cuda.log" | cut -c1-400
 for model in random-smollm2 random-llama8b; do
-  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quantize_decode.py --device cuda --model "$model" \
-    --output "$out/quantize_decode_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|prefill T|PASS|FAIL|Error|error"
+  if [ -z "${SKIP_QUANTIZE:-}" ]; then
+    timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quantize_decode.py --device cuda --model "$model" \
+      --output "$out/quantize_decode_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|prefill T|PASS|FAIL|Error|error"
+  fi
+  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/statistics_prefill.py --device cuda --model "$model" \
+    --output "$out/statistics_prefill_cuda_${model#random-}.json" 2>&1 | grep -E "T=|over|Error|error"
 done
 # code unpacking on the GPU: lookup table (what the CPU prefers) vs shifts and masks, Llama-8B batch-8 tier shapes
 python3 - <<'PY'

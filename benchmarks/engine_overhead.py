@@ -10,6 +10,8 @@ the same length, so no padding) the cache states are built once:
 
 * ``snapkv``: ``KVCache(model, "snapkv", budget=B)`` after a ``T``-token prompt (default 4096 / 256);
 * ``adakv``: the same with ``adakv`` (ragged: per-head lengths differ, ``B`` per head on average);
+* ``full``: ``KVCache(model, "full")`` after the same ``B``-token prompt as ``dynamic`` (kvsieve's own store
+  holding everything: it must cost what the plain cache costs);
 * ``dynamic``: a ``DynamicCache`` after a ``B``-token prompt (the first ``B`` tokens of the same prompts)
   on the *plain* model: an SDPA copy sharing the very same weight tensors, never touched by ``KVCache``.
 
@@ -28,7 +30,8 @@ median seconds per step per configuration and the ratios ``snapkv/dynamic`` and 
 ``snapkv/plain`` and ``restkv/snapkv`` (ReST-KV's reconstruction statistics must not dominate the
 prefill once the model's matmuls are fast).
 
-Goals: decode snapkv ≤ 1.05 at every batch size, adakv ≤ 1.10; prefill snapkv/plain ≤ 1.05 and
+Goals: decode snapkv ≤ 1.05 at every batch size, adakv ≤ 1.10, full ≤ 1.02; prefill full/plain ≤ 1.02,
+snapkv/plain ≤ 1.05 and
 restkv/snapkv ≤ 1.05. The JSON (``benchmarks/results/engine_overhead.json``) records the CPU, whether bf16
 is native there (``avx512_bf16`` / ``amx_bf16``), the dtype (bfloat16 where native, else float32 — said so in
 ``dtype_note``), threads, torch / transformers versions, the kvsieve source and its git commit, every
@@ -73,13 +76,15 @@ RESULTS = Path(__file__).parent / "results" / "engine_overhead.json"
 #: Ratio goals of the acceptance criterion.
 GOAL_DECODE_SNAPKV = 1.05
 GOAL_DECODE_ADAKV = 1.10
+#: kvsieve's ``full`` (everything stored in its own store) against the plain ``DynamicCache`` (issue 22).
+GOAL_DECODE_FULL = 1.02
 GOAL_PREFILL_SNAPKV = 1.05
 GOAL_PREFILL_RESTKV = 1.05
 
 DYNAMIC = "dynamic"
-DECODE_POLICIES = ("snapkv", "adakv")
+DECODE_POLICIES = ("snapkv", "adakv", "full")
 PLAIN = "plain"
-PREFILL_POLICIES = ("snapkv", "restkv")
+PREFILL_POLICIES = ("snapkv", "restkv", "full")
 
 
 @dataclass
@@ -199,6 +204,8 @@ def make_cache(model: torch.nn.Module, policy: str, budget: int, params: dict[st
         return DynamicCache(config=model.config)
     from kvsieve import KVCache
 
+    if policy == "full":
+        return KVCache(model, "full", **(params or {}))
     return KVCache(model, policy, budget=budget, **(params or {}))
 
 
@@ -275,7 +282,9 @@ def measure_decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.T
     build_s: dict[str, float] = {}
     entries: dict[str, dict[str, float]] = {}
     for policy in settings.decode_policies:
-        states[policy], build_s[policy] = build_state(model, policy, settings.budget, long_ids,
+        # ``full`` keeps everything: it gets the DynamicCache's short prompt, so both hold the same entries
+        ids = short_ids if policy == "full" else long_ids
+        states[policy], build_s[policy] = build_state(model, policy, settings.budget, ids,
                                                       settings.policy_params.get(policy))
         entries[policy] = entries_per_head(states[policy].cache)
         log(f"  b{batch} {policy}: {settings.tokens}-token prefill {build_s[policy]:.1f} s, "
@@ -295,7 +304,8 @@ def measure_decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.T
         "median_s": medians,
         "ratios": ratios,
         "entries_per_head_after_prefill": entries,
-        "prompt_tokens": {**{p: settings.tokens for p in settings.decode_policies}, DYNAMIC: settings.budget},
+        "prompt_tokens": {**{p: settings.budget if p == "full" else settings.tokens for p in settings.decode_policies},
+                          DYNAMIC: settings.budget},
         "build_prefill_s": build_s,
         "samples_per_config": len(times[DYNAMIC]),
         "spread_s": {name: spread(values) for name, values in times.items()},
@@ -323,7 +333,8 @@ def measure_prefill(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.
         log(f"  prefill rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {"snapkv_over_plain": medians["snapkv"] / medians[PLAIN],
-              "restkv_over_snapkv": medians["restkv"] / medians["snapkv"]}
+              "restkv_over_snapkv": medians["restkv"] / medians["snapkv"],
+              "full_over_plain": medians["full"] / medians[PLAIN]}
     return {"prompt_tokens": settings.prefill_tokens, "batch": 1, "repeats": settings.prefill_repeats,
             "median_s": medians, "ratios": ratios, "samples_s": times,
             "spread_s": {name: spread(values) for name, values in times.items()},
@@ -334,14 +345,16 @@ def goals(decode: dict[str, dict[str, Any]], prefill: dict[str, Any] | None) -> 
     """Each acceptance goal with its measured ratio and a pass flag."""
     out: list[dict[str, Any]] = []
     for key, result in decode.items():
-        for policy, goal in (("snapkv", GOAL_DECODE_SNAPKV), ("adakv", GOAL_DECODE_ADAKV)):
+        for policy, goal in (("snapkv", GOAL_DECODE_SNAPKV), ("adakv", GOAL_DECODE_ADAKV),
+                             ("full", GOAL_DECODE_FULL)):
             ratio = result["ratios"].get(f"{policy}_over_dynamic")
             if ratio is not None:
                 out.append({"name": f"decode {policy}/dynamic {key}", "ratio": ratio, "goal": goal,
                             "pass": ratio <= goal})
     if prefill is not None:
         for name, key, goal in (("prefill snapkv/plain", "snapkv_over_plain", GOAL_PREFILL_SNAPKV),
-                                ("prefill restkv/snapkv", "restkv_over_snapkv", GOAL_PREFILL_RESTKV)):
+                                ("prefill restkv/snapkv", "restkv_over_snapkv", GOAL_PREFILL_RESTKV),
+                                ("prefill full/plain", "full_over_plain", GOAL_DECODE_FULL)):
             ratio = prefill["ratios"][key]
             out.append({"name": name, "ratio": ratio, "goal": goal, "pass": ratio <= goal})
     return out

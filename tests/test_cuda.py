@@ -126,3 +126,24 @@ def test_decoding_steps_do_not_synchronise(policy: str) -> None:
     print(f"\nSYNCS {policy}: {per_step:.2f} per decoding step at {where}")
     if policy in NO_SYNC:
         assert per_step == 0, where
+
+
+@pytest.mark.parametrize("policy", ("h2o", "ems"))
+def test_fused_statistics_on_cuda(policy: str, monkeypatch) -> None:
+    """The one-pass output + column sums on the device: the same kept positions as SDPA + a second pass, and
+    logits within 1e-5 (float32)."""
+    from kvsieve.engine.engine import Engine
+
+    model = _cuda_model("llama")
+    ids = prompt(2, 96, seed=6).to(CUDA)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Engine, "_fuses_statistics", lambda self, call, step: False)
+        cache = kvsieve.KVCache(model, policy, budget=40)
+        logits = model(ids, **cache_kwargs(model, cache)).logits
+        cache.flush()
+        kept = [cache.kept_positions(layer, b, h).cpu() for layer in range(3) for b in range(2) for h in range(2)]
+        results.append((logits, kept))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))

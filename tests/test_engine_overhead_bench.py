@@ -30,13 +30,14 @@ def test_engine_overhead_runs_on_a_tiny_model():
     result = bench.run_benchmark(model, pool, settings, log=lambda _line: None)
     for key in ("b1", "b2"):
         decode = result["decode"][key]
-        assert set(decode["median_s"]) == {"dynamic", "snapkv", "adakv"}
+        assert set(decode["median_s"]) == {"dynamic", "snapkv", "adakv", "full"}
         assert decode["samples_per_config"] == 4
         assert decode["entries_per_head_after_prefill"]["snapkv"]["mean"] == 32
         assert decode["entries_per_head_after_prefill"]["dynamic"]["mean"] == 32
-        assert set(decode["ratios"]) == {"snapkv_over_dynamic", "adakv_over_dynamic"}
-    assert set(result["prefill"]["median_s"]) == {"plain", "snapkv", "restkv"}
-    assert [g["goal"] for g in result["goals"]] == [1.05, 1.10, 1.05, 1.10, 1.05, 1.05]
+        assert decode["entries_per_head_after_prefill"]["full"]["mean"] == 32  # the same entries as dynamic
+        assert set(decode["ratios"]) == {"snapkv_over_dynamic", "adakv_over_dynamic", "full_over_dynamic"}
+    assert set(result["prefill"]["median_s"]) == {"plain", "snapkv", "restkv", "full"}
+    assert [g["goal"] for g in result["goals"]] == [1.05, 1.10, 1.02, 1.05, 1.10, 1.02, 1.05, 1.05, 1.02]
     assert isinstance(result["all_pass"], bool)
     assert model.config._attn_implementation == "kvsieve"  # the plain twin stayed apart
     report = bench.profile_decode(build_model("llama"), pool, settings, steps=2, kind="cprofile", rows=5)
