@@ -61,8 +61,14 @@ def code_table(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def unpack_float(packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-    """:func:`unpack` straight to float32 through :func:`code_table`'s ``table``: one lookup per byte instead of a
-    shift, a mask and a conversion per code (decoding dequantizes every quantized entry at every step)."""
+    """:func:`unpack` straight to float32 (decoding dequantizes every quantized entry at every step).
+
+    On the CPU through :func:`code_table`'s ``table`` (one lookup per byte instead of a shift, a mask and a
+    conversion per code: 41 vs 57 µs for a 2-bit tier of 960 entries on one core); on other devices with shifts
+    and masks, which are elementwise there (on an H200: 44 µs against 400 µs for the lookup, 655k bytes).
+    """
+    if packed.device.type != "cpu":
+        return unpack(packed, 8 // table.shape[1], n).float()
     codes = torch.nn.functional.embedding(packed.int(), table)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * table.shape[1])[..., :n]
 
