@@ -70,8 +70,8 @@ def report(path: Path, reference: str) -> str:
               "| budget | policy | n | Δ score | Δ KL |", "|---|---|---|---|---|"]
     for budget in budgets:
         for policy in policies:
-            if policy == reference:
-                continue
+            if policy == reference or (policy, budget) not in caches or (reference, budget) not in caches:
+                continue  # a sweep may run some policies at some budgets only
             ds = [g[(policy, budget)]["score"] - g[(reference, budget)]["score"] for g in groups.values()]
             dk = [g[(reference, budget)]["kl_full_compressed"] - g[(policy, budget)]["kl_full_compressed"]
                   for g in groups.values()]
