@@ -140,7 +140,7 @@ def test_fused_statistics_on_cuda(policy: str, monkeypatch) -> None:
     for fused in (True, False):
         # every prompt forward of these 96-token prompts can evict (budget 40): fused, or not at all
         monkeypatch.setattr(Engine, "_fuses_statistics", lambda self, call, step, on=fused: on and step.q_len > 1)
-        cache = kvsieve.KVCache(model, policy, budget=40)
+        cache = kvsieve.KVCache(model, policy, budget=40, fuse_statistics=fused)
         logits = model(ids, **cache_kwargs(model, cache)).logits
         cache.flush()
         kept = [cache.kept_positions(layer, b, h).cpu() for layer in range(3) for b in range(2) for h in range(2)]

@@ -1,5 +1,6 @@
-"""Statistics fused into the attention pass (issue 22): a prompt forward whose scorer needs column sums (H2O,
-EMS, CAOTE over H2O) and that can evict gets its output and the sums from one blockwise pass.
+"""Statistics fused into the attention pass (issue 22, opt-in ``fuse_statistics=True``): a prompt forward whose
+scorer needs column sums (H2O, EMS, CAOTE over H2O) and that can evict gets its output and the sums from one
+blockwise pass.
 
 Against the same cache with the fusion switched off (SDPA, then the statistic on its own): the column sums are
 bit-identical, so the kept entries are the same; the logits agree within float32 rounding (1e-5) on every
@@ -34,7 +35,7 @@ def _prefill(model, policy: str, params: dict, fused: bool, monkeypatch) -> tupl
 
     monkeypatch.setattr(Engine, "_fuses_statistics", spy)
     ids, mask, _ = left_pad([prompt(1, 70, seed=1)[0], prompt(1, 53, seed=2)[0]])
-    cache = kvsieve.KVCache(model, policy, **params)
+    cache = kvsieve.KVCache(model, policy, fuse_statistics=True, **params)
     logits = model(ids, attention_mask=mask, **cache_kwargs(model, cache)).logits[mask.bool()]
     cache.flush()
     kept = [positions.tolist() for *_, positions in all_kept_positions(cache)]
@@ -68,3 +69,15 @@ def test_a_forward_that_cannot_evict_is_not_fused(monkeypatch):
     with pytest.warns(UserWarning, match="nothing was compressed"):
         _, _, calls = _prefill(model, "h2o", {"budget": 200}, True, monkeypatch)
     assert calls == 0
+
+
+def test_fusion_is_opt_in_and_refused_by_shared_prefill():
+    model = build_model("llama")
+    assert not kvsieve.KVCache(model, "h2o", budget=24).policy.fuse_statistics
+    with pytest.raises(kvsieve.PolicyConfigError, match="fuse_statistics must be True or False"):
+        kvsieve.KVCache(model, "h2o", budget=24, fuse_statistics="yes")
+    from kvsieve.engine.shared_prefill import prefill_shared
+
+    caches = [kvsieve.KVCache(model, "full"), kvsieve.KVCache(model, "h2o", budget=24, fuse_statistics=True)]
+    with pytest.raises(ValueError, match=r"caches\[1\] \(h2o\) fuses its statistics"):
+        prefill_shared(model, prompt(1, 40), caches)

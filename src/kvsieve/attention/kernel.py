@@ -351,11 +351,13 @@ def _blockwise(
     batch, q_heads, q_len, _ = query.shape
     kv_heads = keys.shape[1]
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
+    groups = q_heads // kv_heads
     output = None
     if values is not None:
-        output = torch.zeros(batch, kv_heads, q_heads // kv_heads, q_len, values.shape[-1], dtype=torch.float32,
+        output = torch.zeros(batch, kv_heads, groups, q_len, values.shape[-1], dtype=torch.float32,
                              device=query.device)
-        values = values.float()[:, :, None]
+        values = values.float()  # once per call, not per block
+    keys = keys.float()
     for lo in range(0, q_len, QUERY_BLOCK):
         hi = min(lo + QUERY_BLOCK, q_len)
         block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
@@ -377,8 +379,9 @@ def _blockwise(
         probs = softmax_with_sinks(logits, sinks)
         if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
-        if output is not None and values is not None:
-            output[..., lo:hi, :] = torch.matmul(probs, values[..., :limit, :])
+        if output is not None and values is not None:  # (b, kv, g·q, n) @ (b, kv, n, d): no broadcast copies
+            block = torch.matmul(probs.reshape(batch, kv_heads, groups * (hi - lo), limit), values[:, :, :limit])
+            output[..., lo:hi, :] = block.view(batch, kv_heads, groups, hi - lo, -1)
         if query_weight is not None:
             probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
         total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)

@@ -18,7 +18,7 @@ from typing import Any
 from kvsieve.core.part import PART_KINDS, Part, PolicyConfigError
 
 #: Parameters of the policy itself (not of a part).
-POLICY_PARAMS = ("budget", "ratio", "expand_gqa")
+POLICY_PARAMS = ("budget", "ratio", "expand_gqa", "fuse_statistics")
 
 #: Fields of the schedules a policy can switch to (``schedule="decode", buffer=16``).
 SCHEDULE_PARAMS = ("buffer", "block_size")

@@ -207,16 +207,18 @@ class Engine:
     def _fuses_statistics(self, call: LayerCall, step: LayerStep) -> bool:
         """Whether this prompt forward's output comes from the pass that also computes the column sums.
 
-        Only for a managed layer whose scorer needs them, on more than one query, over the held entries as
-        they are (no action that expands merged centres), and when this layer can evict now (more entries than
-        its budget, or a ratio): with nothing to evict the output stays SDPA's, bit-identical to plain
-        transformers, and the statistic is computed on its own as before. CPU only: on a GPU, SDPA
-        (FlashAttention) followed by the statistics pass is faster than this float32 PyTorch pass (H200, h2o
-        prefill at 4k: 0.26 s unfused, 0.29 s fused; ``benchmarks/results/statistics_prefill_cuda_*.json``).
+        Opt-in (``fuse_statistics=True``): the output then differs from SDPA's — and so the prompt's later
+        layers and logits from plain transformers' — by float rounding, where the default keeps them bit for
+        bit. Only for a managed layer whose scorer needs column sums, on more than one query, over the held
+        entries as they are (no action that expands merged centres), on the CPU, and when this layer can
+        evict now (more entries than its budget, or a ratio): with nothing to evict the output stays SDPA's.
+        Not on a GPU, where SDPA (FlashAttention) followed by the statistics pass is faster than this float32
+        PyTorch pass (H200, h2o prefill at 4k: 0.26 s unfused, 0.29 s fused;
+        ``benchmarks/results/statistics_prefill_cuda_*.json``).
         """
-        if COLUMN_SUMS not in self._needs or call.layer.left_alone or step.q_len == 1 or not self._plain_action:
+        if not self.policy.fuse_statistics or COLUMN_SUMS not in self._needs or call.layer.left_alone:
             return False
-        if step.query.device.type != "cpu":
+        if step.q_len == 1 or not self._plain_action or step.query.device.type != "cpu":
             return False
         budget = self._plans.layer_budget(call.layer.layer_idx)
         if budget is None:

@@ -43,6 +43,11 @@ def check_shareable(model: torch.nn.Module, caches: Sequence[KVCache]) -> None:
                 f"caches[{i}] ({cache.policy.name}) uses the 'blockwise' schedule, whose prompt outputs depend on "
                 "its evictions; prefill it on its own"
             )
+        if cache.policy.fuse_statistics:
+            raise ValueError(
+                f"caches[{i}] ({cache.policy.name}) fuses its statistics into the attention pass, whose prompt "
+                "outputs differ from SDPA's by float rounding; prefill it on its own"
+            )
 
 
 def prefill_shared(

@@ -103,7 +103,8 @@ def _cache_factory(model: torch.nn.Module, policy: str, budget: int | None, poli
 
 def _shareable(cache: Cache) -> bool:
     """Whether one shared prompt forward fills ``cache`` exactly as its own prefill would."""
-    return isinstance(cache, KVCache) and cache.policy.schedule.name != "blockwise"
+    return (isinstance(cache, KVCache) and cache.policy.schedule.name != "blockwise"
+            and not cache.policy.fuse_statistics)
 
 
 def evaluate_cells(

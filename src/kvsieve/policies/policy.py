@@ -49,6 +49,9 @@ class Policy:
     ratio: float | None = None
     #: Store keys/values per *query* head (``g×`` the memory) so each query head selects its own entries.
     expand_gqa: bool = False
+    #: Compute a prompt's attention output and the column sums its scorer needs in one pass (CPU only; the
+    #: output then differs from SDPA's, and so from plain transformers', by float rounding).
+    fuse_statistics: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -119,6 +122,8 @@ class Policy:
             raise PolicyConfigError(f"{name}: ratio must be a float in [0, 1); got {ratio!r}")
         if not isinstance(self.expand_gqa, bool):
             raise PolicyConfigError(f"{name}: expand_gqa must be True or False; got {self.expand_gqa!r}")
+        if not isinstance(self.fuse_statistics, bool):
+            raise PolicyConfigError(f"{name}: fuse_statistics must be True or False; got {self.fuse_statistics!r}")
         kind = self.schedule.name
         if kind not in self.schedules():
             raise PolicyConfigError(
@@ -180,6 +185,8 @@ class Policy:
             out.update(self.selector.params())
         if self.expand_gqa:
             out["expand_gqa"] = True
+        if self.fuse_statistics:
+            out["fuse_statistics"] = True
         return out
 
     def describe(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ The presets themselves live at the end of each method's file in :mod:`kvsieve.pa
 (:mod:`kvsieve.policies.catalog`). :func:`make_policy` builds one with the caller's parameters, by one rule
 for every method:
 
-1. ``budget``, ``ratio`` and ``expand_gqa`` belong to the policy;
+1. ``budget``, ``ratio``, ``expand_gqa`` and ``fuse_statistics`` belong to the policy;
 2. a part kind (``scorer``, ``allocator``, ``action``, ``selector``, ``schedule``, or a preset's alias of
    one, such as ``adakv``'s ``base``) replaces that part: a registered name, a scoring preset's name (for
    ``scorer``) or a part object;
