@@ -301,29 +301,36 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = _parse_args(argv)
+def setup_run(args: argparse.Namespace, benchmark: str, tokens_needed: int, argv: Sequence[str] | None
+              ) -> tuple[torch.nn.Module, torch.Tensor, torch.device, dict[str, Any]]:
+    """Threads, device and dtype from ``args`` (``--threads``, ``--device``, ``--dtype``, ``--model``), the model
+    and a token pool of ``tokens_needed`` ids, and the run's metadata (printed): what every JSON here records."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     import transformers
 
     device = torch.device(args.device)
-    cpu = cpu_info()
     if device.type == "cuda":
         dtype, note = {"float32": torch.float32}.get(args.dtype or "", torch.bfloat16), "GPU"
     else:
-        dtype, note = pick_dtype(args.dtype, cpu["bf16_native"])
-    lengths = [int(t) for t in args.tokens.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    started = time.perf_counter()
-    model, pool = load(args.model, dtype, device, max(lengths) * max(batches))
-    meta = {"benchmark": "quantize_decode", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
+        dtype, note = pick_dtype(args.dtype, cpu_info()["bf16_native"])
+    model, pool = load(args.model, dtype, device, tokens_needed)
+    meta = {"benchmark": benchmark, "model": args.model, "dtype": str(dtype).removeprefix("torch."),
             "dtype_note": note, "device": device_info(device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "kvsieve": kvsieve_source(),
             "load_average_at_start": load_average(),
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
     print(json.dumps(meta, indent=2), flush=True)
+    return model, pool, device, meta
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse_args(argv)
+    lengths = [int(t) for t in args.tokens.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    started = time.perf_counter()
+    model, pool, device, meta = setup_run(args, "quantize_decode", max(lengths) * max(batches), argv)
 
     def log(line: str) -> None:
         print(line, flush=True)

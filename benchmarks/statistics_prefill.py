@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,8 +29,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_overhead import cpu_info, kvsieve_source, load_average, pick_dtype, prompts, spread
-from quantize_decode import device_info, load, prefill
+from engine_overhead import load_average, prompts, spread
+from quantize_decode import prefill, setup_run
 
 RESULTS = Path(__file__).parent / "results" / "statistics_prefill.json"
 POLICIES = ("snapkv", "h2o", "h2o_fused", "ems", "ems_fused", "h2o_caote", "h2o_caote_fused", "tova", "restkv")
@@ -89,25 +88,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    import transformers
-
-    device = torch.device(args.device)
-    cpu = cpu_info()
-    if device.type == "cuda":
-        dtype, note = {"float32": torch.float32}.get(args.dtype or "", torch.bfloat16), "GPU"
-    else:
-        dtype, note = pick_dtype(args.dtype, cpu["bf16_native"])
     lengths = [int(t) for t in args.tokens.split(",")]
     started = time.perf_counter()
-    model, pool = load(args.model, dtype, device, max(lengths))
-    meta = {"benchmark": "statistics_prefill", "model": args.model, "dtype": str(dtype).removeprefix("torch."),
-            "dtype_note": note, "device": device_info(device), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "kvsieve": kvsieve_source(), "load_average_at_start": load_average(),
-            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
-    print(json.dumps(meta, indent=2), flush=True)
+    model, pool, device, meta = setup_run(args, "statistics_prefill", max(lengths), argv)
     rows = []
     with torch.no_grad():
         model(pool[:16].unsqueeze(0).to(device), use_cache=False)
