@@ -57,7 +57,7 @@ class Engine:
         self.info = info
         self.managed = info.managed_layers
         self._global = policy.allocator.scope == "global"
-        self._needs = policy.scorer.needs() if policy.scorer is not None else frozenset()
+        self._needs = (policy.scorer.needs() if policy.scorer is not None else frozenset()) | policy.allocator.needs()
         #: The action attends over the held entries as stored (EMS with positions expands merged centres).
         self._plain_action = type(policy.action).expanded is Action.expanded
         self._side = policy.side()

@@ -33,6 +33,7 @@ class _Pending:
     nominal: torch.Tensor
     lengths: torch.Tensor
     sliding_window: int | None
+    statistic: torch.Tensor | None
 
 
 class GlobalPlans:
@@ -71,9 +72,11 @@ class GlobalPlans:
             assert scorer is not None
             lengths, nominal = self._plans.nominal(layer.layer_idx, step)
             scores = scorer.score(step, nominal)
+            statistic = self.policy.allocator.layer_statistic(step)
             step.query = step.query[:, :, -1:]  # hold nothing big until the end of the forward
             step._memo = {"lengths": lengths}
-            self._pending.append(_Pending(layer, step, scores, nominal, lengths, call.sliding_window))
+            self._pending.append(_Pending(layer, step, scores, nominal, lengths, call.sliding_window,
+                                          statistic))
             deferred = True
         if layer.layer_idx == self.managed[-1] and self._pending:
             self._act()
@@ -103,8 +106,10 @@ class GlobalPlans:
     def _act(self) -> None:
         """Allocate across the collected layers, then plan and execute (or defer) each layer's plan."""
         pending, self._pending = self._pending, []
+        statistics = [p.statistic for p in pending]
         counts = self.policy.allocator.allocate_global(
-            [p.scores for p in pending], [p.nominal for p in pending], [p.lengths for p in pending]
+            [p.scores for p in pending], [p.nominal for p in pending], [p.lengths for p in pending],
+            None if any(s is None for s in statistics) else statistics,  # type: ignore[misc]
         )
         compressed = False
         for item, count in zip(pending, counts, strict=True):

@@ -242,9 +242,10 @@ class KVCache(Cache):
         if isinstance(policy, Policy) and params:
             raise ValueError("pass parameters inside the Policy object, not as keyword arguments")
         info = model_info(model)
-        check_model = getattr(resolved.action, "check_model", None)
-        if check_model is not None:  # parts that read the model itself (EMS un-rotates keys with its rope)
-            check_model(model.config, info)
+        for part in (resolved.scorer, resolved.allocator, resolved.action, resolved.selector):
+            check_model = getattr(part, "check_model", None)
+            if check_model is not None:  # parts that read the model itself (EMS, Expected Attention: its rope)
+                check_model(model.config, info)
         resolved = resolved.bind(model)  # learned scorers load their weights for this model (before touching it)
         self.policy: Policy = resolved
         self.info: ModelInfo = info

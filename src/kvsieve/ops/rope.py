@@ -93,13 +93,15 @@ def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu"
     return RotaryTable(inv_freq.to(device=device, dtype=torch.float32), float(scaling), rotary_dim)
 
 
-def _cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` ``(..., rotary_dim)`` of ``positions`` ``(...)``, scaled by the attention factor (float32)."""
     freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * table.scaling, emb.sin() * table.scaling
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: ``(x₁, x₂) → (−x₂, x₁)`` over the two halves of the last dimension."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -108,10 +110,10 @@ def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> t
     """Raw keys ``(..., d)`` at ``positions`` ``(...)`` → rotated keys (float32), as the model rotates them."""
     if table.rotary_dim == 0:  # NoPE layer
         return keys.float()
-    cos, sin = _cos_sin(table, positions)
+    cos, sin = cos_sin(table, positions)
     x = keys.float()
     r = table.rotary_dim
-    turned = x[..., :r] * cos + _rotate_half(x[..., :r]) * sin
+    turned = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
     return torch.cat((turned, x[..., r:]), dim=-1) if r < x.shape[-1] else turned
 
 
@@ -119,8 +121,8 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) ->
     """Stored (rotated) keys ``(..., d)`` at ``positions`` → raw pre-RoPE keys (float32); inverse of :func:`rotate`."""
     if table.rotary_dim == 0:  # NoPE layer
         return keys.float()
-    cos, sin = _cos_sin(table, positions)
+    cos, sin = cos_sin(table, positions)
     x = keys.float()
     r = table.rotary_dim
-    raw = (x[..., :r] * cos - _rotate_half(x[..., :r]) * sin) / (table.scaling * table.scaling)
+    raw = (x[..., :r] * cos - rotate_half(x[..., :r]) * sin) / (table.scaling * table.scaling)
     return torch.cat((raw, x[..., r:]), dim=-1) if r < x.shape[-1] else raw

@@ -27,6 +27,7 @@ from kvsieve.core.part import Part
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
+    from kvsieve.core.step import LayerStep
 
 
 def ratio_budget(lengths: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -49,9 +50,19 @@ class Allocator(Part):
     accepts_ratio: ClassVar[bool] = True
     #: Schedules it can run under (a global budget cannot be decided between the blocks of one layer).
     SCHEDULES: ClassVar[tuple[str, ...]] = ("prefill", "decode", "blockwise")
+    #: Statistics read from the :class:`LayerStep` by :meth:`layer_statistic` (CAKE's window attention).
+    NEEDS: ClassVar[frozenset[str]] = frozenset()
 
     def schedules(self) -> tuple[str, ...]:
         return self.SCHEDULES
+
+    def needs(self) -> frozenset[str]:
+        return self.NEEDS
+
+    def layer_statistic(self, step: LayerStep) -> torch.Tensor | None:
+        """A per-row statistic ``(batch,)`` of one layer that a global allocator divides its budget by (CAKE's
+        layer preference); read when the layer is scored, handed to :meth:`allocate_global`. Default: none."""
+        return None
 
     def layer_budget(self, budget: int, layer_idx: int, num_layers: int, window: int) -> int:
         """Per-head budget of one layer for a policy ``budget`` (uniform: the budget itself)."""
@@ -76,9 +87,11 @@ class Allocator(Part):
         return torch.minimum(torch.maximum(nominal, protected), lengths)
 
     def allocate_global(
-        self, scores: list[torch.Tensor], nominal: list[torch.Tensor], lengths: list[torch.Tensor]
+        self, scores: list[torch.Tensor], nominal: list[torch.Tensor], lengths: list[torch.Tensor],
+        statistics: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Counts per layer for a global allocator (layer-scope allocators never receive this call)."""
+        """Counts per layer for a global allocator (layer-scope allocators never receive this call);
+        ``statistics``: each layer's :meth:`layer_statistic` when the allocator has one."""
         raise NotImplementedError(f"{type(self).__name__} allocates per layer")
 
 

@@ -55,7 +55,8 @@ class GlobalBudget(Allocator):
         return self.allocate_global([scores], [nominal], [lengths])[0]
 
     def allocate_global(
-        self, scores: list[torch.Tensor], nominal: list[torch.Tensor], lengths: list[torch.Tensor]
+        self, scores: list[torch.Tensor], nominal: list[torch.Tensor], lengths: list[torch.Tensor],
+        statistics: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         width = max(s.shape[-1] for s in scores)
         padded = [torch.nn.functional.pad(s.float(), (0, width - s.shape[-1]), value=float("-inf")) for s in scores]
