@@ -260,6 +260,7 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
     schedule = policy.schedule.name
     buffer = getattr(policy.schedule, "buffer", 0)
     slack = {"steps": 0}
+    reconstructs = bool(getattr(policy.scorer, "RECONSTRUCTS", False))
 
     def check(cache: kvsieve.KVCache, i: int) -> None:
         lengths = cache.head_lengths()
@@ -268,7 +269,11 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
             if window is not None:
                 assert int(lengths[layer].max()) <= GEMMA3_SLIDING_WINDOW
         multi = kinds[i] != "decode" and (i > 0 or max(len(r) for r in rows) > 1)
-        slack["steps"] = 0 if multi else slack["steps"] + 1
+        if reconstructs:  # compressed once, after the prompt's reconstruction: every later token is kept
+            added = 0 if i == 0 else 1 if kinds[i] == "decode" else int(program.steps[i - 1][1].shape[-1])
+            slack["steps"] += added
+        else:
+            slack["steps"] = 0 if multi else slack["steps"] + 1
         if policy.budget is None or policy.scorer is None:
             return
         if schedule == "prefill":

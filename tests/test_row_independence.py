@@ -36,6 +36,7 @@ from helpers import left_pad, prompt, with_test_gates
 
 import kvsieve
 from kvsieve.core.part import PolicyConfigError
+from kvsieve.generation.reconstruction import reads_reconstruction, reconstruct
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.allocators.adaptive import Adaptive
 from kvsieve.parts.scorers.caote import Caote
@@ -120,6 +121,15 @@ class RunResult:
     seen: list[int]  #: slots seen after every forward
 
 
+class CharTokenizer:
+    """Enough of a tokenizer for KVzip's repeat prompts on the tiny models: one id per character (3…127)."""
+
+    pad_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(ch) % 125 for ch in text]
+
+
 def run_rows(
     model: torch.nn.Module,
     rows: list[torch.Tensor],
@@ -152,6 +162,9 @@ def run_rows(
             if mask is not None and i > 0:
                 mask = torch.cat([mask, torch.ones_like(new)], dim=1)
             out = model(new, attention_mask=mask, **cache_kwargs(model, cache))
+            if i == 0 and reads_reconstruction(cache):  # KVzip: scored by repeating the prompt, then compressed
+                slots = torch.arange(ids.shape[1]).expand_as(ids)  # this forward numbered slots, not real tokens
+                reconstruct(model, CharTokenizer(), cache, ids, mask, position_ids=slots)
             logits.append(out.logits[:, -1].detach().clone())
             seen.append(cache.get_seq_length())
             if inspect or i == len(inputs) - 1:

@@ -314,6 +314,28 @@ def column_sums(
     return _blockwise(query, keys, None, mask, form, query_weight, bias)[1]
 
 
+def column_maxima(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    mask: Callable[[int, int], torch.Tensor],
+    form: AttentionForm | float,
+    query_valid: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``max_t A[t, j]`` over all (non-padding) queries ``t``, shape ``(batch, q_heads, n)``, float32, computed in
+    blocks of :data:`QUERY_BLOCK` queries (``mask(lo, hi)``: the visibility of queries ``lo … hi − 1``), so the
+    whole ``q × n`` attention is never held (KVzip's importance: the most attention an entry receives)."""
+    batch, q_heads, q_len, _ = query.shape
+    best = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
+    for lo in range(0, q_len, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, q_len)
+        rows = attention_rows(query[:, :, lo:hi], keys, mask(lo, hi), form, bias)
+        if query_valid is not None:  # padding queries attend to nothing (where, not a product: their rows may be NaN)
+            rows = torch.where(query_valid[:, None, lo:hi, None].to(rows.device), rows, 0.0)
+        best = torch.maximum(best, rows.amax(dim=2))
+    return best
+
+
 def attention_and_column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,

@@ -15,6 +15,7 @@ from kvsieve.attention.kernel import (
     AttentionForm,
     attention_and_column_sums,
     attention_rows,
+    column_maxima,
     column_sums,
     visibility_mask,
 )
@@ -25,9 +26,10 @@ from kvsieve.models.architectures import ModelInfo
 WINDOW_ROWS = "window_rows"  #: softmax rows of the last ``w`` queries
 WINDOW_OUTPUTS = "window_outputs"  #: their per-head outputs ``o_t`` before ``W_O``
 COLUMN_SUMS = "column_sums"  #: ``Σ_t A[t, j]`` over every query of the forward
+COLUMN_MAXIMA = "column_maxima"  #: ``max_t A[t, j]`` over every query of the forward
 OUTPUT_PROJECTION = "output_projection"  #: the layer's ``W_O`` weight
 LAYER_INPUTS = "layer_inputs"  #: the attention-input hidden states (after the layer's norm) of the new tokens
-STATISTICS = (WINDOW_ROWS, WINDOW_OUTPUTS, COLUMN_SUMS, OUTPUT_PROJECTION, LAYER_INPUTS)
+STATISTICS = (WINDOW_ROWS, WINDOW_OUTPUTS, COLUMN_SUMS, COLUMN_MAXIMA, OUTPUT_PROJECTION, LAYER_INPUTS)
 
 #: Side data holding how many tokens a (merged) entry stands for; attention adds ``log(count)``.
 MERGE_COUNT = "merge_count"
@@ -60,6 +62,9 @@ class LayerStep:
     form: AttentionForm | None = None
     #: The forward's 2-D padding mask ``(batch, seen + q)`` (True: a real token); None when every token is real.
     padding: torch.Tensor | None = None
+    #: A probe forward (:mod:`kvsieve.engine.probe`): tokens read only to score the held entries (KVzip's
+    #: context reconstruction); their own entries are dropped after it.
+    probing: bool = False
     _memo: dict[object, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,16 @@ class LayerStep:
         last = pads.shape[1] - 1
         at_entry = pads.gather(1, positions.clamp(0, last).reshape(positions.shape[0], -1)).view_as(positions)
         return age - (pads[:, min(now, last), None, None] - at_entry)
+
+    def real_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """Index of each slot among its row's real tokens (the slot minus the padding slots before it; the rotary
+        position ``generate`` gives a left-padded row), same shape as ``slots`` whose first dimension is the
+        batch. Without padding: the slots themselves."""
+        if self.padding is None:
+            return slots
+        pads = (~self.padding.to(slots.device)).long().cumsum(dim=1)
+        flat = slots.reshape(slots.shape[0], -1)
+        return (flat - pads.gather(1, flat.clamp(0, pads.shape[1] - 1))).view_as(slots)
 
     @property
     def is_decoding(self) -> bool:
@@ -199,6 +214,20 @@ class LayerStep:
                     self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
                 )
         return self._memo["colsum"]
+
+    def all_column_maxima(self) -> torch.Tensor:
+        """``max_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
+        self._require(COLUMN_MAXIMA)
+        if "colmax" not in self._memo:
+            positions, view = self.query_positions, self.view
+
+            def block_mask(lo: int, hi: int) -> torch.Tensor:
+                return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
+
+            self._memo["colmax"] = column_maxima(
+                self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
+            )
+        return self._memo["colmax"]
 
     def output_with_column_sums(self) -> torch.Tensor:
         """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from

@@ -37,6 +37,7 @@ from kvsieve.engine.global_plans import GlobalPlans
 from kvsieve.engine.layer_call import LayerCall, LayerState
 from kvsieve.engine.layer_plans import LayerPlans
 from kvsieve.engine.noop_warning import NoopWarning
+from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.actions.base import Action
 from kvsieve.policies.policy import Policy
@@ -71,6 +72,10 @@ class Engine:
         self._row_configs: dict[int, list[dict[str, int]] | None] = {}
         #: The cache's layers (the cache sets this; read only to total a global budget).
         self.layers: list[LayerState] = []
+        #: Set while a probe forward runs (:func:`kvsieve.engine.probe.probing`).
+        self.probe: Probe | None = None
+        #: The scorer reads a probe (KVzip): it plans only on the final probe forward.
+        self._reconstructs = bool(getattr(policy.scorer, "RECONSTRUCTS", False))
 
     @property
     def compactions(self) -> int:
@@ -243,32 +248,54 @@ class Engine:
             module=call.module, layer_idx=layer.layer_idx, info=self.info, query=query, first_position=seen,
             query_valid=token_valid, store=store, scaling=call.form.scaling, form=call.form,
             sliding_window=call.sliding_window, forward_index=layer.forwards, layer_inputs=call.layer_inputs,
-            allowed=None if layer.left_alone else self._needs, padding=call.padding,
+            allowed=None if layer.left_alone else self._needs, padding=call.padding, probing=self.probe is not None,
         )
         layer.forwards += 1
         return step
 
     def _after_output(self, call: LayerCall, step: LayerStep) -> None:
-        """Observation and compaction (managed layers), then the sliding-window trim."""
+        """Observation and compaction (managed layers), then the sliding-window trim.
+
+        A probe forward (:attr:`probe`) only observes: its own entries are dropped and, on the final probe,
+        the held entries are planned as a prompt's would be. A scorer that reads a probe
+        (``Scorer.RECONSTRUCTS``) plans on nothing else: the cache keeps every entry until its probe ran.
+        """
         layer, sliding_window = call.layer, call.sliding_window
         scorer = self.policy.scorer
-        deferred = False
-        if not layer.left_alone and scorer is not None:
+        managed = not layer.left_alone and scorer is not None
+        if managed:
+            assert scorer is not None
             updates = scorer.observe(step)
             for name, values in updates.items():
                 step.store.add_dense(name, values)
-            if self._global:
-                deferred = self._global_plans.collect(call, step, self.layers)
-            else:
-                layer_idx = layer.layer_idx
-                plan = self._plans.plan(layer_idx, step) if self._plans.fires(layer_idx, step) else None
-                if self._deferral.defers(step):
-                    trim = None if sliding_window is None else layer.seen - sliding_window + 1
-                    self._deferral.wait(layer_idx, step.store, plan, trim)
-                    deferred = True
-                elif plan is not None:
-                    self._deferral.act(step.store, plan)
-                self._warning.note_forward(layer_idx, step.is_decoding, plan is not None, layer.seen)
+        probe = self.probe
+        if probe is not None:
+            step.store.keep_positions_before(probe.context_seen)  # the probe's own tokens are not kept
+            layer.seen = probe.context_seen
+            step._memo.clear()
+            if not (managed and probe.final):
+                return
+        elif self._reconstructs:
+            managed = False
+        deferred = self._plan(call, step) if managed else False
         if sliding_window is not None and not deferred:
             # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
             step.store.keep_positions_after(layer.seen - sliding_window + 1)
+
+    def _plan(self, call: LayerCall, step: LayerStep) -> bool:
+        """Plan this managed layer (now, or for all layers after the last one under a global allocator) and
+        execute or defer the plan; returns whether the layer's sliding-window trim waits with it."""
+        layer, sliding_window = call.layer, call.sliding_window
+        if self._global:
+            return self._global_plans.collect(call, step, self.layers)
+        layer_idx = layer.layer_idx
+        plan = self._plans.plan(layer_idx, step) if self._plans.fires(layer_idx, step) else None
+        deferred = False
+        if self._deferral.defers(step):
+            trim = None if sliding_window is None else layer.seen - sliding_window + 1
+            self._deferral.wait(layer_idx, step.store, plan, trim)
+            deferred = True
+        elif plan is not None:
+            self._deferral.act(step.store, plan)
+        self._warning.note_forward(layer_idx, step.is_decoding, plan is not None, layer.seen)
+        return deferred

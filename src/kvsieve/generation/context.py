@@ -29,6 +29,7 @@ from transformers import Cache, DynamicCache
 
 from kvsieve.engine.kv_cache import KVCache
 from kvsieve.generation.prompt import PromptFormat, prompt_format
+from kvsieve.generation.reconstruction import reads_reconstruction, reconstruct
 from kvsieve.generation.saved_context import FULL, load_saved, save_context
 from kvsieve.models.architectures import model_info
 from kvsieve.policies.presets import make_policy
@@ -242,6 +243,8 @@ def compress_context(
     with torch.inference_mode():
         started = time.perf_counter()
         model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        if reads_reconstruction(cache):  # KVzip: score by repeating the context, then compress (in prefill_s)
+            reconstruct(model, tokenizer, cache, ids)
         if isinstance(cache, KVCache):
             cache.flush()  # the compaction belongs to the prefill
         prefill_s = time.perf_counter() - started

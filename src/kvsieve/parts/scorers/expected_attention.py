@@ -46,17 +46,6 @@ if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
 
 
-def real_positions(step: LayerStep, slots: torch.Tensor) -> torch.Tensor:
-    """Index of each slot among its row's real tokens (slot minus the padding slots before it), same shape as
-    ``slots`` whose first dimension is the batch. Without padding: the slots themselves."""
-    if step.padding is None:
-        return slots
-    padding = step.padding.to(slots.device)
-    pads = (~padding).long().cumsum(dim=1)
-    flat = slots.reshape(slots.shape[0], -1).clamp(0, pads.shape[1] - 1)
-    return (slots.reshape(slots.shape[0], -1) - pads.gather(1, flat)).view_as(slots)
-
-
 def averaged_rotation(table: RotaryTable, first: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``mean(cos), mean(sin)`` ``(batch, rotary_dim)`` over positions ``first … first + count − 1`` per row."""
     offsets = torch.arange(count, device=first.device)
@@ -126,7 +115,7 @@ class ExpectedAttention(Scorer):
         device = view.keys.device
         table = rotary_table(step.module.config, step.layer_idx, device)
         slots = step.query_positions.unsqueeze(0).expand(step.query.shape[0], -1)
-        positions = real_positions(step, slots)  # (batch, q): the model's rotary positions
+        positions = step.real_positions(slots)  # (batch, q): the model's rotary positions
         raw_queries = unrotate(step.query, positions[:, None, :], table)
         use = positions >= self.n_sink
         if step.query_valid is not None:
@@ -139,7 +128,7 @@ class ExpectedAttention(Scorer):
                                  table.rotary_dim)
         scored = step.entry_valid()
         if self.n_sink:  # the sinks are kept apart: out of the softmax too, as the reference cuts them off first
-            scored = scored & (real_positions(step, view.positions) >= self.n_sink)
+            scored = scored & (step.real_positions(view.positions) >= self.n_sink)
         return self._scores(view.keys.float(), view.values.float(), scored, mean, cov, step.scaling)
 
     def _scores(
@@ -166,7 +155,7 @@ class ExpectedAttention(Scorer):
         """The first ``n_sink`` real tokens of each row always kept (+inf), and the newest ``window``."""
         out = protect_recent(scores, step, self.window)
         if self.n_sink:
-            sinks = real_positions(step, step.view.positions) < self.n_sink
+            sinks = step.real_positions(step.view.positions) < self.n_sink
             out = out.masked_fill(sinks & step.entry_valid(), math.inf)
         return out
 
