@@ -162,3 +162,18 @@ def test_without_reconstruction_nothing_is_evicted_and_bad_calls_are_refused():
         kvsieve.make_policy("kvzip", budget=BUDGET, chunk_size=0)
     with pytest.raises(PolicyConfigError, match="n_sink"):
         kvsieve.make_policy("kvzip", budget=3)
+
+
+def test_the_evaluation_reconstructs_before_the_questions(tmp_path):
+    """``kvsieve eval`` scores a kvzip cache after its reconstruction: the same bytes as snapkv at the budget
+    (one global total), on the single-question and the multi-question (one context, several turns) tasks."""
+    from kvsieve.cli import main
+    from kvsieve.eval.results import read_records
+
+    assert main(["eval", "--model", "tiny-llama", "--policies", "kvzip,snapkv:window=8", "--budgets", "48",
+                 "--tasks", "niah_single_1,multiturn", "--lengths", "256", "--workers", "1",
+                 "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    records = [r for r in read_records(tmp_path / "records.jsonl") if r["policy"] != "full"]
+    held = {(r["task"], r["policy"]): r["kv_bytes_held"] for r in records}
+    for task in ("niah_single_1", "multiturn"):
+        assert held[(task, "kvzip")] == held[(task, "snapkv")] < records[0]["kv_bytes_full"]

@@ -57,6 +57,7 @@ from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.eval.cells import KINDS, CellContext
 from kvsieve.eval.passes import needs_stepwise
 from kvsieve.eval.tasks import Task, get_task
+from kvsieve.generation.reconstruction import reads_reconstruction
 
 CellSpec = tuple[str, int | None, dict[str, Any] | None]
 """One cache of :func:`evaluate_cells`: ``(policy, budget, policy_params)``."""
@@ -104,7 +105,7 @@ def _cache_factory(model: torch.nn.Module, policy: str, budget: int | None, poli
 def _shareable(cache: Cache) -> bool:
     """Whether one shared prompt forward fills ``cache`` exactly as its own prefill would."""
     return (isinstance(cache, KVCache) and cache.policy.schedule.name != "blockwise"
-            and not cache.policy.fuse_statistics)
+            and not cache.policy.fuse_statistics and not reads_reconstruction(cache))
 
 
 def evaluate_cells(

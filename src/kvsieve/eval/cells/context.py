@@ -16,6 +16,7 @@ from kvsieve.eval.metrics import answer_logprob, mean_kl
 from kvsieve.eval.passes import forward_logits
 from kvsieve.eval.reference import fingerprint, load_reference, reference_path, save_reference
 from kvsieve.eval.tasks import Task, TaskSample
+from kvsieve.generation.reconstruction import reads_reconstruction, reconstruct
 from kvsieve.models.architectures import model_info
 
 #: A cache filled by a shared prefill: ``(cache, last-position logits (vocab,), seconds, caches sharing it)``.
@@ -76,7 +77,9 @@ class CellContext:
 def prefill(cell: CellContext) -> tuple[Any, torch.Tensor, float]:
     """The cell's cache holding the prompt, the last position's logits ``(vocab,)`` and the prefill seconds.
 
-    A cache filled by the shared forward is taken as it is (its seconds: the whole shared forward's).
+    A cache filled by the shared forward is taken as it is (its seconds: the whole shared forward's). A cache
+    scored by reconstruction (KVzip) repeats the prompt after it and is compressed before this returns; its
+    seconds include the reconstruction.
     """
     if cell.prefilled is not None:
         cache, first, seconds, _ = cell.prefilled
@@ -84,6 +87,9 @@ def prefill(cell: CellContext) -> tuple[Any, torch.Tensor, float]:
     cache = cell.make_cache()
     started = time.perf_counter()
     first = forward_logits(cell.model, cell.sample.prompt_ids, cache, 1)[-1]
+    if reads_reconstruction(cache):  # KVzip: the prompt is scored by repeating it, then compressed (timed)
+        ids = torch.tensor([cell.sample.prompt_ids], dtype=torch.long, device=first.device)
+        reconstruct(cell.model, cell.tokenizer, cache, ids)
     return cache, first, time.perf_counter() - started
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.engine.stats import cache_stats
-from kvsieve.eval.cells.context import CellContext
+from kvsieve.eval.cells.context import CellContext, prefill
 from kvsieve.eval.metrics import first_number, token_logprobs
 from kvsieve.eval.passes import forward_logits, greedy, teacher_force
 from kvsieve.eval.tasks import TaskSample
@@ -102,7 +102,7 @@ def score_sample(
 def needle_cell(cell: CellContext) -> dict[str, Any]:
     """:func:`score_sample` of the cell, with what a sweep's summary reads: ``score`` (exact match as 0/1),
     ``answer``, ``references``, ``kv_bytes_held`` (= ``kv_bytes``) and ``kv_bytes_full``."""
-    prefilled = None if cell.prefilled is None else cell.prefilled[:3]
+    prefilled = prefill(cell)  # the shared forward's cache, or this cell's own prefill (and reconstruction)
     scores = score_sample(cell.model, cell.sample, cell.make_cache, cell.task.max_new_tokens, prefilled,
                           decode=cell.tokenizer.decode)
     return {
