@@ -130,10 +130,24 @@ def random_gates(model: torch.nn.Module, tied: bool = True, seed: int = 0):
     return gates.requires_grad_(False)
 
 
+def random_pattern(model: torch.nn.Module, seed: int = 0):
+    """A DuoAttention head pattern for a tiny model (none is shipped for it): distinct random scores."""
+    from kvsieve.gates.head_pattern import HeadPattern
+    from kvsieve.models.architectures import model_info
+
+    info = model_info(model)
+    scores = torch.rand(info.num_layers, info.num_kv_heads, generator=torch.Generator().manual_seed(seed))
+    return HeadPattern(scores.double(), 4, 12)
+
+
 def with_test_gates(model: torch.nn.Module, policy, params: dict) -> dict:
-    """``params`` plus random gates when ``policy`` names a learned-retention preset without ``gates=``."""
+    """``params`` plus random gates when ``policy`` names a learned-retention preset without ``gates=``, and a
+    random head pattern for ``duo_attention`` without ``pattern=``."""
+    from kvsieve.parts.scorers.duo_attention import HeadSplit
     from kvsieve.parts.scorers.retention import RetentionGate
     preset = kvsieve.list_policies().get(policy) if isinstance(policy, str) else None
+    if preset is not None and isinstance(preset.scorer, HeadSplit) and "pattern" not in params:
+        return {**params, "pattern": random_pattern(model)}
     if preset is None or not isinstance(preset.scorer, RetentionGate) or "gates" in params:
         return params
     return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv", seed=0)}

@@ -29,15 +29,17 @@ LENGTH, BUDGET = 48, 12
 TOKENIZER = CharTokenizer()
 
 
-def probe_ids(scorer) -> list[int]:
-    return TOKENIZER.encode(scorer.repeat_prompt) + TOKENIZER.encode(scorer.prompt_suffix)
+def probe_ids(scorer, tokenizer=TOKENIZER) -> list[int]:
+    return (list(tokenizer.encode(scorer.repeat_prompt, add_special_tokens=False))
+            + list(tokenizer.encode(scorer.prompt_suffix, add_special_tokens=False)))
 
 
-def kvzip_reference(model, context: torch.Tensor, n_sink: int = 4) -> torch.Tensor:
+def kvzip_reference(model, context: torch.Tensor, n_sink: int = 4, tokenizer=TOKENIZER) -> torch.Tensor:
     """``(layers, kv_heads, n)`` kvpress ``score_kvzip`` maxima for a one-chunk context, sinks at 1."""
     scorer = kvsieve.make_policy("kvzip", budget=BUDGET).scorer
     n = context.shape[1]
-    full = torch.cat([context, torch.tensor([probe_ids(scorer)]), context], dim=1)  # context, repeat prompt, context
+    repeat = torch.tensor([probe_ids(scorer, tokenizer)], device=context.device)
+    full = torch.cat([context, repeat, context], dim=1)  # context, repeat prompt, context
     captured = run_reference(model, full)  # the whole sequence in one forward: same keys as prefill + probe
     scores = []
     for i, (hidden, keys, _) in enumerate(captured):

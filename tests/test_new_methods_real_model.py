@@ -18,6 +18,7 @@ from test_keydiff_expected_attention_cake import (
 )
 
 from kvsieve.eval.tasks.passkey_prompt import make_passkey_sample
+from kvsieve.generation.reconstruction import reconstruct
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,36 @@ def default_model():
     ids = torch.tensor([make_passkey_sample(tokenizer, 1024, 0.5, seed=0).prompt_ids])
     with torch.inference_mode():
         captured = run_reference(model, ids)
-    return model, ids, captured
+    return model, ids, captured, tokenizer
+
+
+def test_kvzip_on_the_default_model(default_model):
+    """One chunk (1k tokens): kvpress's subsampled keys are every key, so the maxima are the same quantity."""
+    from test_kvzip import kvzip_reference
+
+    model, ids, _, tokenizer = default_model
+    with torch.inference_mode():
+        reference = kvzip_reference(model, ids, tokenizer=tokenizer)
+        cache = compress(model, ids, "kvzip", budget=BUDGET)
+        reconstruct(model, tokenizer, cache, ids)
+    layers, heads, n = reference.shape
+    flat = reference.flatten().float()
+    top = flat.topk(layers * heads * BUDGET)
+    boundary = float(top.values[-1])
+    expected = torch.zeros_like(flat, dtype=torch.bool)
+    expected[top.indices] = True
+    expected = expected.view(layers, heads, n)
+    assert int(cache.head_lengths().sum()) == layers * heads * BUDGET
+    for layer in range(layers):
+        for head in range(heads):
+            kept = set(cache.kept_positions(layer, 0, head).tolist())
+            want = set(expected[layer, head].nonzero().flatten().tolist())
+            for position in kept ^ want:  # only near-ties at the global boundary may swap
+                assert abs(float(reference[layer, head, position]) - boundary) <= RTOL * boundary, (layer, head)
 
 
 def test_keydiff_on_the_default_model(default_model):
-    model, ids, captured = default_model
+    model, ids, captured, _ = default_model
     reference = []
     for _, keys, _ in captured:
         anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)
@@ -47,7 +73,7 @@ def test_keydiff_on_the_default_model(default_model):
 
 
 def test_expected_attention_on_the_default_model(default_model):
-    model, ids, captured = default_model
+    model, ids, captured, _ = default_model
     with torch.inference_mode():
         reference = [kvpress_expected_attention(model, i, h, k, v) for i, (h, k, v) in enumerate(captured)]
         cache = compress(model, ids, "expected_attention", budget=BUDGET)
@@ -55,7 +81,7 @@ def test_expected_attention_on_the_default_model(default_model):
 
 
 def test_cake_on_the_default_model(default_model):
-    model, ids, captured = default_model
+    model, ids, captured, _ = default_model
     window, length = 32, ids.shape[1]
     with torch.inference_mode():
         preferences, indicators = cake_reference(model, captured, window, 1.0, 1.0, 200.0)

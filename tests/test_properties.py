@@ -58,6 +58,7 @@ from kvsieve.parts.allocators.adaptive import Adaptive
 from kvsieve.parts.allocators.global_budget import GlobalBudget
 from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.allocators.two_stage import TwoStageSplit, stage1_keep
+from kvsieve.parts.scorers.duo_attention import HeadSplit
 from kvsieve.transformers_adapter import cache_kwargs
 
 pytestmark = pytest.mark.compat  # runs in the transformers-version matrix (scripts/compat_matrix.sh)
@@ -284,7 +285,14 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
             extra = 0 if multi and not one_query else buffer
         heads = lengths.shape[2]
         budgets = {layer: layer_target(policy, cache, layer, 0) for layer in managed}
-        if policy.action.quantizes:  # the budget counts full-precision entries (bytes); the rest is quantized
+        if isinstance(cache.policy.scorer, HeadSplit):  # DuoAttention: retrieval heads hold everything
+            for layer in managed:
+                streaming = cache.policy.scorer.streaming_heads(layer, heads, torch.device("cpu"))
+                bound = max(budgets[layer], cache.policy.scorer.sinks) + extra
+                held = lengths[layer][:, streaming]
+                assert held.numel() == 0 or int(held.max()) <= bound, (layer, lengths[layer].tolist())
+                assert int(lengths[layer].max()) <= cache.get_seq_length(), lengths[layer].tolist()
+        elif policy.action.quantizes:  # the budget counts full-precision entries (bytes); the rest is quantized
             for layer in managed:
                 store = cache.layers[layer].store
                 full = store.full_lengths() if store is not None else lengths[layer]

@@ -16,6 +16,7 @@ from kvsieve.generation import (
     compress_context,
     load_context,
 )
+from kvsieve.generation.reconstruction import reconstruct
 from kvsieve.models.architectures import ARCHITECTURES, UnsupportedArchitectureError, check_config
 from kvsieve.models.loading import ModelNotFoundError, TokenizerNotFoundError
 from kvsieve.policies import (
@@ -71,6 +72,7 @@ __all__ = [
     "make_policy",
     "prefill_shared",
     "prepare_model",
+    "reconstruct",
     "register_attention",
     "register_preset",
     "unregister_preset",

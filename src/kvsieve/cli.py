@@ -139,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     niah.set_defaults(func=_cmd_niah)
     _add_suite_commands(sub)
     from kvsieve.train import cli as train_cli
+    from kvsieve.train import duo_cli
 
     train_cli.register(sub)
+    duo_cli.register(sub)
     _add_generate_command(sub)
     return parser
 

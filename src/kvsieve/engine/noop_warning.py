@@ -33,7 +33,8 @@ class NoopWarning:
         self._warned = True
         # stacklevel: two frames here, then the engine's (or the global plans') two frames of the layer step
         warnings.warn(
-            f"kvsieve: {self.policy}: nothing was compressed in this prompt forward (the budget covers all "
-            f"{seen} tokens seen so far); later forwards compress once the cache outgrows the budget",
+            f"kvsieve: {self.policy}: nothing was compressed in this prompt forward (the budget, or the "
+            f"entries its scorer always keeps, cover all {seen} tokens seen so far); later forwards compress once the "
+            "cache outgrows the budget",
             stacklevel=4,
         )
