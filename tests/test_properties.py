@@ -220,7 +220,7 @@ def check_events(run: RunResult, policy: kvsieve.Policy) -> None:
         target = torch.tensor([[layer_target(policy, cache, compaction.layer, int(n), int(row.max())) for n in row]
                                for row in held])
         ceiling = torch.minimum(torch.maximum(target, protected), held)
-        if isinstance(allocator, GlobalBudget):
+        if allocator.scope == "global":  # GlobalBudget, CAKE: per-layer counts follow one total
             continue  # layers keeping everything are not planned: the total is checked on head lengths
         # a row compacts only when it is over its own limit (schedules' row_limit): rows the plan leaves whole
         # are checked by the budget bounds on head lengths, not here
@@ -301,7 +301,7 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
                 assert int(lengths[layer].max()) <= cache.get_seq_length(), lengths[layer].tolist()
         elif not policy.evicts:  # rocketkv_mt marks its stage-1 choice and holds every entry, whatever the allocator
             assert int(lengths[managed].max()) <= cache.get_seq_length(), lengths.tolist()
-        elif isinstance(policy.allocator, GlobalBudget):
+        elif policy.allocator.scope == "global":  # one total over the layers (GlobalBudget, CAKE's layer budgets)
             total = sum(heads * budgets[layer] for layer in managed)
             held = lengths[managed].sum(dim=(0, 2))
             allowance = heads * len(managed) * (buffer if schedule == "decode" else slack["steps"])

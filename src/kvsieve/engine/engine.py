@@ -76,6 +76,8 @@ class Engine:
         self.probe: Probe | None = None
         #: The scorer reads a probe (KVzip): it plans only on the final probe forward.
         self._reconstructs = bool(getattr(policy.scorer, "RECONSTRUCTS", False))
+        #: A final probe planned this cache (its reconstruction ran).
+        self.reconstructed = False
 
     @property
     def compactions(self) -> int:
@@ -104,6 +106,7 @@ class Engine:
         self._global_plans.clear()
         self._deferral.clear()
         self._mask_memo = self._valid_memo = None
+        self.reconstructed = False
 
     def flush(self) -> None:
         """Apply every waiting prompt compaction now (before inspecting, copying or reordering the cache)."""
@@ -275,7 +278,11 @@ class Engine:
             step._memo.clear()
             if not (managed and probe.final):
                 return
+            self.reconstructed = True
         elif self._reconstructs:
+            if managed and step.is_decoding and not self.reconstructed \
+                    and self._deferral.compactions == 0:  # (a restored saved context counts its compactions)
+                self._warning.warn_unreconstructed()
             managed = False
         deferred = self._plan(call, step) if managed else False
         if sliding_window is not None and not deferred:

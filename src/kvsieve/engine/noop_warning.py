@@ -38,3 +38,15 @@ class NoopWarning:
             "cache outgrows the budget",
             stacklevel=4,
         )
+
+    def warn_unreconstructed(self) -> None:
+        """Warn (once) that a reconstructing scorer (KVzip) saw a prompt with no reconstruction run yet."""
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"kvsieve: {self.policy.name}: its scores come from a context reconstruction, which has not run: "
+            "nothing is evicted until kvsieve.reconstruct(model, tokenizer, cache, input_ids) runs after the "
+            "prefill (kvsieve.compress_context and kvsieve eval run it for you)",
+            stacklevel=4,
+        )

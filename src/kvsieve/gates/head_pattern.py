@@ -5,7 +5,7 @@ attention sinks and recent tokens.
 A pattern is a small human-readable JSON file (``format: kvsieve-head-pattern/1``): the scores, the streaming
 window they were measured for (``sinks``, ``recent``), the model they belong to (its weights' fingerprint,
 checked on load) and how they were obtained (``calibration``). ``kvsieve calibrate-duo`` writes one
-(:mod:`kvsieve.train.duo`); patterns shipped with kvsieve live in ``gates/pretrained/<model>-duo.json`` and are
+(:mod:`kvsieve.train.duo`); patterns shipped with kvsieve live in ``gates/patterns/<model>-duo.json`` and are
 found by the model's fingerprint, as the shipped retention gates are.
 """
 
@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from kvsieve.gates.pretrained import PRETRAINED_DIR
 from kvsieve.models.architectures import model_info
 from kvsieve.models.fingerprint import model_fingerprint
 
 FORMAT = "kvsieve-head-pattern/1"
+#: Patterns shipped with kvsieve (``<model>-duo.json``).
+PATTERN_DIR = Path(__file__).parent / "patterns"
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,11 @@ def load_pattern(path: str | Path) -> HeadPattern:
 def pretrained_pattern(model: torch.nn.Module) -> HeadPattern:
     """The shipped pattern of ``model`` (matched by its weights' fingerprint); ``FileNotFoundError`` otherwise."""
     want = model_fingerprint(model)
-    for path in sorted(PRETRAINED_DIR.glob("*-duo.json")):
+    for path in sorted(PATTERN_DIR.glob("*-duo.json")):
         pattern = load_pattern(path)
         if pattern.model_fingerprint == want:
             return pattern
-    shipped = [p.stem for p in sorted(PRETRAINED_DIR.glob("*-duo.json"))]
+    shipped = [p.stem for p in sorted(PATTERN_DIR.glob("*-duo.json"))]
     raise FileNotFoundError(
         f"no shipped DuoAttention head pattern for this model (weights {want}); shipped: {shipped}. Measure one "
         "with `kvsieve calibrate-duo --model PATH --output runs/duo.json` and pass pattern='runs/duo.json'"

@@ -8,7 +8,9 @@ previous chunk's last ``overlap`` tokens (later chunks), the prompt suffix, then
 context entry gets the largest attention a repeating query pays it. Probe tokens are never kept; the last
 probe plans the compaction, applied before :func:`reconstruct` returns.
 
-Batches: each row repeats its own real tokens (left-padded probes, explicit positions continuing the row);
+Batches: each row repeats its own real tokens (right-padded probes, so a row's probe tokens follow its context
+with no padding between them — sliding-window layers see the distances the row alone sees — and explicit
+positions continuing the row);
 a row with fewer chunks than the longest repeats its last chunk (the same probe gives the same maxima), so
 every row keeps what it would keep alone.
 """
@@ -83,7 +85,7 @@ def reconstruct(
         next_position = torch.tensor([len(t) for t in rows], device=device)
     else:
         next_position = position_ids[:, -1].to(device).long() + 1
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: the store stays updatable by a caller outside it
         for r in range(rounds):
             probes = []
             for row_chunks in chunks:
@@ -94,9 +96,9 @@ def reconstruct(
             width = max(len(p) for p in probes)
             ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
             probe_mask = torch.zeros((batch, width), dtype=mask.dtype, device=device)
-            for b, probe in enumerate(probes):
-                ids[b, width - len(probe):] = torch.tensor(probe, dtype=torch.long, device=device)
-                probe_mask[b, width - len(probe):] = 1
+            for b, probe in enumerate(probes):  # right-padded: a row's probe starts right after its context
+                ids[b, : len(probe)] = torch.tensor(probe, dtype=torch.long, device=device)
+                probe_mask[b, : len(probe)] = 1
             positions = (next_position[:, None] + probe_mask.long().cumsum(dim=1) - 1).clamp(min=0)
             full_mask = torch.cat([mask, probe_mask], dim=1)
             with probing(cache.engine, slots, final=r == rounds - 1):
