@@ -4,7 +4,9 @@
 # generating on CUDA, host synchronisations per decoding step) and the mixed-precision decoding benchmark on
 # the default model's architecture and on Llama-3.1-8B's, random weights (the weights cannot travel there), and the
 # prefill cost of every scoring method vs snapkv with statistics fused and unfused (benchmarks/statistics_prefill.py).
-# Writes into ${OUT:-results/cuda}: test_cuda.log and one quantize_decode_cuda_*.json per model.
+# Issue 23: the speed of KeyDiff, Expected Attention, CAKE, KVzip (with its reconstruction) and DuoAttention vs snapkv
+# (benchmarks/new_methods_speed.py). ONLY_NEW=1 runs the tests and that benchmark only.
+# Writes into ${OUT:-results/cuda}: test_cuda.log and one JSON per benchmark and model.
 set -u
 out=${OUT:-results/cuda}
 mkdir -p "$out"
@@ -15,6 +17,9 @@ timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -s -rf t
 echo "tests rc=$?"
 grep -E "SYNCS|passed|failed|FAILED|Error" "$out/test_cuda.log" | cut -c1-400
 for model in random-smollm2 random-llama8b; do
+  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/new_methods_speed.py --device cuda --model "$model" \
+    --output "$out/new_methods_speed_cuda_${model#random-}.json" 2>&1 | grep -E "PASS|FAIL|Error|error"
+  if [ -n "${ONLY_NEW:-}" ]; then continue; fi
   if [ -z "${SKIP_QUANTIZE:-}" ]; then
     timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/quantize_decode.py --device cuda --model "$model" \
       --output "$out/quantize_decode_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|prefill T|PASS|FAIL|Error|error"

@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import ARCHS, build_model, default_implementation
 from helpers import generate, left_pad, prompt, reference_cache, with_test_gates
+from test_row_independence import CharTokenizer
 
 import kvsieve
 from kvsieve.transformers_adapter import cache_kwargs
@@ -31,7 +32,8 @@ CUDA = torch.device(os.environ.get("KVSIEVE_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
 #: One preset per scorer family, allocator, action and selector.
 PRESETS = ("snapkv", "adakv", "pyramidkv", "h2o", "tova", "restkv", "h2o_caote", "ems", "rocketkv", "quest",
-           "sparq", "streaming_llm", "random", "dbtrimkv", "kivi", "mixed")
+           "sparq", "streaming_llm", "random", "dbtrimkv", "kivi", "mixed", "keydiff", "expected_attention", "cake",
+           "duo_attention")
 #: Presets whose decoding step (no compaction) the engine promises never to synchronise.
 NO_SYNC = ("full", "snapkv", "adakv", "restkv", "streaming_llm")
 
@@ -55,7 +57,8 @@ def test_full_matches_dynamic_cache_on_cuda(arch: str) -> None:
     assert prefill_logits.device.type == CUDA.type
 
 
-@pytest.mark.parametrize("policy", ("snapkv", "adakv", "restkv", "h2o", "tova", "mixed"))
+@pytest.mark.parametrize("policy", ("snapkv", "adakv", "restkv", "h2o", "tova", "mixed", "keydiff",
+                                    "expected_attention", "cake", "kvzip"))
 def test_kept_positions_match_the_cpu(policy: str) -> None:
     cpu_model, gpu_model = build_model("llama"), _cuda_model("llama")
     ids = prompt(2, 64, seed=5)
@@ -63,6 +66,8 @@ def test_kept_positions_match_the_cpu(policy: str) -> None:
     for model, device in ((cpu_model, torch.device("cpu")), (gpu_model, CUDA)):
         cache = kvsieve.KVCache(model, policy, budget=32)
         model(ids.to(device), **cache_kwargs(model, cache))
+        if policy == "kvzip":  # scored by repeating the prompt (probe forwards), then compressed
+            kvsieve.reconstruct(model, CharTokenizer(), cache, ids.to(device))
         cache.flush()
         kept.append([cache.kept_positions(layer, b, h).cpu() for layer in range(3) for b in range(2) for h in range(2)])
     for cpu_positions, gpu_positions in zip(*kept, strict=True):

@@ -293,3 +293,17 @@ def test_cake_refuses_bad_parameters():
         kvsieve.make_policy("cake", ratio=0.5)
     with pytest.raises(PolicyConfigError, match="schedule"):
         kvsieve.make_policy("cake", budget=64, schedule="decode")
+
+
+def test_expected_attention_refuses_a_length_dependent_rope_before_any_forward():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvsieve.ops.rope import UnsupportedRotaryError
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = LlamaForCausalLM(config).eval()
+    with pytest.raises(UnsupportedRotaryError, match="dynamic"):
+        kvsieve.KVCache(model, "expected_attention", budget=16)
+    kvsieve.KVCache(model, "keydiff", budget=16)  # reads no rope: fine

@@ -179,3 +179,12 @@ def test_the_evaluation_reconstructs_before_the_questions(tmp_path):
     held = {(r["task"], r["policy"]): r["kv_bytes_held"] for r in records}
     for task in ("niah_single_1", "multiturn"):
         assert held[(task, "kvzip")] == held[(task, "snapkv")] < records[0]["kv_bytes_full"]
+
+
+def test_decoding_without_a_reconstruction_warns_once_and_evicts_nothing():
+    model = build_model("llama")
+    ids = prompt(1, LENGTH, seed=18)
+    cache = kvsieve.KVCache(model, "kvzip", budget=BUDGET)
+    with pytest.warns(UserWarning, match="reconstruct"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, cache))
+    assert int(cache.head_lengths().min()) == LENGTH + 2
