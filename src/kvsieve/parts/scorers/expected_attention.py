@@ -30,6 +30,7 @@ come from the forward's own queries (a decoding step has one query, no distribut
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -113,7 +114,7 @@ class ExpectedAttention(Scorer):
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         view = step.view
         device = view.keys.device
-        table = rotary_table(step.module.config, step.layer_idx, device)
+        table = self._table(step, device)
         slots = step.query_positions.unsqueeze(0).expand(step.query.shape[0], -1)
         positions = step.real_positions(slots)  # (batch, q): the model's rotary positions
         raw_queries = unrotate(step.query, positions[:, None, :], table)
@@ -130,6 +131,24 @@ class ExpectedAttention(Scorer):
         if self.n_sink:  # the sinks are kept apart: out of the softmax too, as the reference cuts them off first
             scored = scored & (step.real_positions(view.positions) >= self.n_sink)
         return self._scores(view.keys.float(), view.values.float(), scored, mean, cov, step.scaling)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled and copied without the per-module table cache (rebuilt on first use)."""
+        state = dict(self.__dict__)
+        state.pop("_tables", None)
+        return state
+
+    def _table(self, step: LayerStep, device: torch.device) -> RotaryTable:
+        """The layer's rotary table on ``device``, built once per attention module and device (no host-to-device
+        copy per forward); held weakly by the module, so a preset's scorer shared by several models never hands
+        one model's table to another."""
+        per_module: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, RotaryTable]] = \
+            self.__dict__.setdefault("_tables", weakref.WeakKeyDictionary())
+        tables = per_module.setdefault(step.module, {})
+        key = str(device)
+        if key not in tables:
+            tables[key] = rotary_table(step.module.config, step.layer_idx, device)
+        return tables[key]
 
     def _scores(
         self, keys: torch.Tensor, values: torch.Tensor, scored: torch.Tensor, mean: torch.Tensor,
