@@ -17,7 +17,9 @@ How kvsieve differs from the reference: the reference sums the preference over t
 use batch 1); kvsieve computes it per batch row, so each row is its own request. The reference's
 *cascading* mode only bounds the peak memory while the prompt is read (layers are compacted as they come, to
 the budgets the preferences seen so far give); its final budgets are the same as the non-cascading ones,
-which kvsieve computes once after the last layer (global allocators plan once per forward). Defaults are
+which kvsieve computes once after the last layer (global allocators plan once per forward). The reference
+leaves a prompt whole up to ``B + w`` tokens; kvsieve compresses as soon as a head holds more than its
+budget ``B``, as every other kvsieve policy does. Defaults are
 the reference's command-line defaults (``τ₁ = τ₂ = 1``, ``γ = 200``, ``w = 32``); the reference tunes
 ``τ₁, τ₂`` per model and budget. The allocator composes with any scorer (``KVCache(model, "restkv",
 allocator="cake")``); its preference always reads the last ``preference_window`` queries' attention.
