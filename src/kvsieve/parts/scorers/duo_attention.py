@@ -45,7 +45,7 @@ class HeadSplit(Scorer):
 
     name: ClassVar[str] = "duo_attention"
     SCHEDULES: ClassVar[tuple[str, ...]] = ALL_SCHEDULES
-    pattern: object = None  #: None (the shipped pattern), a JSON path, or a HeadPattern
+    pattern: str | HeadPattern | None = None  #: None (the shipped pattern), a JSON path, or a HeadPattern
     streaming_share: float = 0.5
     sinks: int = 16
 
