@@ -37,6 +37,7 @@ from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
+    from kvsieve.gates.head_pattern import HeadPattern
 
 
 @dataclass(frozen=True)
