@@ -1,5 +1,6 @@
 """CAKE (Qin et al. 2025, "CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences", ICLR 2025,
-arXiv:2503.12491; public code: github.com/antgroup/cakekv). One method, two parts:
+arXiv:2503.12491; public code: the ``cakekv`` repository, ``cake/model/modify_llama.py`` and ``cake/utils.py``).
+One method, two parts:
 
 * ``cake`` **allocator** — layer budgets from each layer's *preference* (Sec. 4.1). From the attention
   ``A`` of the last ``w`` prompt queries over the entries before the window, a layer's spatial dispersion
