@@ -36,6 +36,26 @@ def protect_recent(scores: torch.Tensor, step: LayerStep, recent: int | torch.Te
     return out.masked_fill(~step.entry_valid(), -math.inf)
 
 
+def protect_sinks_and_recent(scores: torch.Tensor, step: LayerStep, sinks: int, recent: int) -> torch.Tensor:
+    """:func:`protect_recent`, and ``+inf`` on the first ``sinks`` *real* tokens of each row (by position among
+    the row's real tokens, so a padded row protects what it would alone: Expected Attention's and KVzip's
+    attention sinks)."""
+    out = protect_recent(scores, step, recent)
+    if sinks:
+        first = step.real_positions(step.view.positions) < sinks
+        out = out.masked_fill(first & step.entry_valid(), math.inf)
+    return out
+
+
+def check_sinks_and_window(spec: BudgetSpec, sinks: int, window: int) -> None:
+    """Refuse ``sinks + window`` entries always kept over the per-head budget (naming both and the range)."""
+    if spec.budget is not None and sinks + window > spec.budget:
+        raise PolicyConfigError(
+            f"{spec.name}: n_sink ({sinks}) + window ({window}) must not exceed budget ({spec.budget}): both are "
+            f"always kept; allowed n_sink range is [0, {max(spec.budget - window, 0)}]"
+        )
+
+
 @dataclass(frozen=True)
 class Scorer(Part):
     """Base scorer. Subclasses implement :meth:`raw` (and :meth:`protect` when they keep more than a window)."""

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvsieve.core.part import PolicyConfigError, require_bool, require_int, require_number
+from kvsieve.core.part import require_bool, require_int, require_number
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.ops.rope import RotaryTable, cos_sin, rotary_table, rotate_half, unrotate
-from kvsieve.parts.scorers.base import Scorer, protect_recent
+from kvsieve.parts.scorers.base import Scorer, check_sinks_and_window, protect_sinks_and_recent
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -100,11 +100,7 @@ class ExpectedAttention(Scorer):
         require_int(self.name, "window", self.window, 0)
 
     def check(self, spec: BudgetSpec) -> None:
-        if spec.budget is not None and self.n_sink + self.window > spec.budget:
-            raise PolicyConfigError(
-                f"{spec.name}: n_sink ({self.n_sink}) + window ({self.window}) must not exceed budget ({spec.budget}): "
-                f"both are always kept; allowed n_sink range is [0, {max(spec.budget - self.window, 0)}]"
-            )
+        check_sinks_and_window(spec, self.n_sink, self.window)
 
     def check_model(self, config: Any, info: ModelInfo) -> None:
         """Refuse, before any work, a model whose rotary embedding cannot be un-rotated (pre-RoPE queries)."""
@@ -172,11 +168,7 @@ class ExpectedAttention(Scorer):
 
     def protect(self, scores: torch.Tensor, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         """The first ``n_sink`` real tokens of each row always kept (+inf), and the newest ``window``."""
-        out = protect_recent(scores, step, self.window)
-        if self.n_sink:
-            sinks = step.real_positions(step.view.positions) < self.n_sink
-            out = out.masked_fill(sinks & step.entry_valid(), math.inf)
-        return out
+        return protect_sinks_and_recent(scores, step, self.n_sink, self.window)
 
 
 PRESETS = (

@@ -31,7 +31,6 @@ the template's user turn). KVzip+'s normalisation (``‖h‖``, ``‖W_O v‖``)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -43,7 +42,7 @@ from kvsieve.core.preset import Preset
 from kvsieve.core.step import COLUMN_MAXIMA, LayerStep
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.parts.allocators.global_budget import GlobalBudget
-from kvsieve.parts.scorers.base import Scorer, protect_recent
+from kvsieve.parts.scorers.base import Scorer, check_sinks_and_window, protect_sinks_and_recent
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -82,11 +81,7 @@ class ContextReconstruction(Scorer):
             raise PolicyConfigError(f"{self.name}: repeat_prompt must be a non-empty instruction")
 
     def check(self, spec: BudgetSpec) -> None:
-        if spec.budget is not None and self.n_sink + self.window > spec.budget:
-            raise PolicyConfigError(
-                f"{spec.name}: n_sink ({self.n_sink}) + window ({self.window}) must not exceed budget ({spec.budget}): "
-                f"both are always kept; allowed n_sink range is [0, {max(spec.budget - self.window, 0)}]"
-            )
+        check_sinks_and_window(spec, self.n_sink, self.window)
 
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
         """On a probe forward: raise each entry's score to the largest attention a repeat query gave it (an
@@ -102,11 +97,7 @@ class ContextReconstruction(Scorer):
 
     def protect(self, scores: torch.Tensor, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         """The first ``n_sink`` real tokens of each row and the newest ``window`` always kept."""
-        out = protect_recent(scores, step, self.window)
-        if self.n_sink:
-            sinks = step.real_positions(step.view.positions) < self.n_sink
-            out = out.masked_fill(sinks & step.entry_valid(), math.inf)
-        return out
+        return protect_sinks_and_recent(scores, step, self.n_sink, self.window)
 
 
 PRESETS = (
