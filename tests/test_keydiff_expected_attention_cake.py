@@ -307,3 +307,14 @@ def test_expected_attention_refuses_a_length_dependent_rope_before_any_forward()
     with pytest.raises(UnsupportedRotaryError, match="dynamic"):
         kvsieve.KVCache(model, "expected_attention", budget=16)
     kvsieve.KVCache(model, "keydiff", budget=16)  # reads no rope: fine
+
+
+def test_keydiff_and_expected_attention_compose_with_the_adaptive_allocator():
+    """Head-wise budgets over KeyDiff's and Expected Attention's scores: each layer keeps ``H·B`` entries per row,
+    split unevenly across its heads by the scores."""
+    model = build_model("llama")
+    ids = prompt(1, LENGTH, seed=10)
+    for name in ("keydiff", "expected_attention"):
+        lengths = compress(model, ids, name, budget=BUDGET, allocator="adaptive").head_lengths()
+        assert lengths.sum(dim=-1).tolist() == [[2 * BUDGET]] * 3, name
+        assert len({int(x) for x in lengths.flatten()}) > 1, name
