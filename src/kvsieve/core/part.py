@@ -54,6 +54,12 @@ def require_number(
         raise PolicyConfigError(f"{owner}: {name} must be a number in {left}{low}, {high}{right}; got {value!r}")
 
 
+def require_odd_int(owner: str, name: str, value: object) -> None:
+    """Raise unless ``value`` is an odd int ≥ 1 (a pooling or smoothing kernel centred on its entry)."""
+    if not is_int(value) or value < 1 or value % 2 == 0:  # type: ignore[operator]
+        raise PolicyConfigError(f"{owner}: {name} must be an odd int ≥ 1; got {value!r}")
+
+
 def require_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise PolicyConfigError(f"{owner}: {name} must be True or False; got {value!r}")

@@ -198,6 +198,11 @@ class LayerStep:
             self._memo[key] = torch.matmul(grouped, values).view(batch, q_heads, w, values.shape[-1])
         return self._memo[key]
 
+    def _block_mask(self, lo: int, hi: int) -> torch.Tensor:
+        """Visibility of queries ``lo … hi − 1`` of this forward over the dense view (the blockwise passes)."""
+        view = self.view
+        return visibility_mask(self.query_positions[lo:hi], view.positions, view.valid, self.sliding_window)
+
     def all_column_sums(self) -> torch.Tensor:
         """``Σ_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
         self._require(COLUMN_SUMS)
@@ -205,13 +210,8 @@ class LayerStep:
             if self.q_len == 1:
                 self._memo["colsum"] = self.window_rows_unchecked(1)[:, :, 0]
             else:
-                positions, view = self.query_positions, self.view
-
-                def block_mask(lo: int, hi: int) -> torch.Tensor:
-                    return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
-
                 self._memo["colsum"] = column_sums(
-                    self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
+                    self.query, self.view.keys, self._block_mask, self.form, self.query_valid, self.bias()
                 )
         return self._memo["colsum"]
 
@@ -219,13 +219,8 @@ class LayerStep:
         """``max_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
         self._require(COLUMN_MAXIMA)
         if "colmax" not in self._memo:
-            positions, view = self.query_positions, self.view
-
-            def block_mask(lo: int, hi: int) -> torch.Tensor:
-                return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
-
             self._memo["colmax"] = column_maxima(
-                self.query, view.keys, block_mask, self.form, self.query_valid, self.bias()
+                self.query, self.view.keys, self._block_mask, self.form, self.query_valid, self.bias()
             )
         return self._memo["colmax"]
 
@@ -234,13 +229,9 @@ class LayerStep:
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic."""
         self._require(COLUMN_SUMS)
-        positions, view = self.query_positions, self.view
-
-        def block_mask(lo: int, hi: int) -> torch.Tensor:
-            return visibility_mask(positions[lo:hi], view.positions, view.valid, self.sliding_window)
-
+        view = self.view
         output, total = attention_and_column_sums(
-            self.query, view.keys, view.values, block_mask, self.form, self.query_valid, self.bias()
+            self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid, self.bias()
         )
         self._memo["colsum"] = total
         return output

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvsieve.core.part import PolicyConfigError, require_int, require_number
+from kvsieve.core.part import PolicyConfigError, require_int, require_number, require_odd_int
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
@@ -85,9 +85,7 @@ class CakeIndicator(Scorer):
     def validate(self) -> None:
         require_int(self.name, "window", self.window, 0)
         require_number(self.name, "gamma", self.gamma, 0.0, math.inf)
-        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+        require_odd_int(self.name, "kernel_size", self.kernel_size)
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         rows, _, queries = window_prefix_rows(step, self.window)

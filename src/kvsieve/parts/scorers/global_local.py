@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.core.part import PolicyConfigError, require_int
+from kvsieve.core.part import require_int, require_odd_int
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
@@ -75,9 +75,7 @@ class GlobalLocal(Scorer):
 
     def validate(self) -> None:
         require_int(self.name, "window", self.window, 1)
-        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+        require_odd_int(self.name, "kernel_size", self.kernel_size)
 
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
         extras = step.view.extras

@@ -47,7 +47,14 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.core.part import PolicyConfigError, require_bool, require_choice, require_int, require_number
+from kvsieve.core.part import (
+    PolicyConfigError,
+    require_bool,
+    require_choice,
+    require_int,
+    require_number,
+    require_odd_int,
+)
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
@@ -82,9 +89,7 @@ class OutputReconstruction(Scorer):
         require_int(self.name, "window", self.window, 0)
         require_number(self.name, "alpha (EMA factor)", self.alpha, 0.0, 1.0, low_open=True)
         require_number(self.name, "beta (AWS scale)", self.beta, 0.0, float("inf"), low_open=True)
-        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+        require_odd_int(self.name, "kernel_size", self.kernel_size)
         for flag in ("use_output_projection", "use_ema", "adaptive_smoothing"):
             require_bool(self.name, flag, getattr(self, flag))
         require_choice(self.name, "indicator", self.indicator, INDICATORS)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.core.part import PolicyConfigError, require_choice, require_int
+from kvsieve.core.part import require_choice, require_int, require_odd_int
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
@@ -52,9 +52,7 @@ class WindowAttention(Scorer):
 
     def validate(self) -> None:
         require_int(self.name, "window", self.window, 0)
-        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise PolicyConfigError(f"{self.name}: kernel_size must be an odd int ≥ 1; got {self.kernel_size!r}")
+        require_odd_int(self.name, "kernel_size", self.kernel_size)
         require_choice(self.name, "pooling", self.pooling, ("avgpool", "maxpool"))
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
