@@ -14,8 +14,10 @@ from kvsieve.attention.kernel import (
     QUERY_BLOCK,
     all_along,
     any_along,
+    attention_and_column_maxima,
     attention_and_column_sums,
     attention_rows,
+    column_maxima,
     column_sums,
     visibility_mask,
 )
@@ -68,6 +70,29 @@ def test_column_sums_equal_dense_reference_over_several_blocks(kind, per_block):
     assert got.shape == (BATCH, Q_HEADS, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
     assert not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("kind", ["causal", "padded", "window", "random", "bias"])
+@pytest.mark.parametrize("per_block", [False, True])
+def test_column_maxima_equal_dense_reference_and_skip_padding_queries(kind, per_block):
+    """KVzip's statistic: ``max_t A[t, j]`` over the non-padding queries, with the blocks, key cropping and partial
+    masking of the sums; the one-pass variant gives the same maxima bit for bit and the reference ``A·V``."""
+    n = 2 * QUERY_BLOCK + 77
+    query, keys, mask, bias = case(kind, n, seed=len(kind) + 7)
+    valid = torch.ones(BATCH, n, dtype=torch.bool)
+    valid[1, 5:9] = False
+    valid[0, -3:] = False  # the newest queries see the most: dropping them changes the maxima
+    rows = dense_rows(query, keys, mask, bias) * valid[:, None, :, None].double()
+    expected = rows.amax(dim=2)
+    given = (lambda lo, hi: mask[:, :, lo:hi]) if per_block else mask
+    got = column_maxima(query, keys, given, SCALE, valid, bias)
+    assert got.shape == (BATCH, Q_HEADS, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
+    values = torch.randn(BATCH, KV_HEADS, n, D, generator=torch.Generator().manual_seed(2))
+    output, best = attention_and_column_maxima(query, keys, values, given, SCALE, valid, bias)
+    assert torch.equal(best, got)
+    reference = (dense_rows(query, keys, mask, bias) @ values.double().repeat_interleave(GROUPS, dim=1))
+    torch.testing.assert_close(output.double(), reference.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_column_sums_of_a_causal_prefill_count_every_query_once():

@@ -317,23 +317,38 @@ def column_sums(
 def column_maxima(
     query: torch.Tensor,
     keys: torch.Tensor,
-    mask: Callable[[int, int], torch.Tensor],
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor],
     form: AttentionForm | float,
     query_valid: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``max_t A[t, j]`` over all (non-padding) queries ``t``, shape ``(batch, q_heads, n)``, float32, computed in
     blocks of :data:`QUERY_BLOCK` queries (``mask(lo, hi)``: the visibility of queries ``lo … hi − 1``), so the
-    whole ``q × n`` attention is never held (KVzip's importance: the most attention an entry receives)."""
-    batch, q_heads, q_len, _ = query.shape
-    best = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
-    for lo in range(0, q_len, QUERY_BLOCK):
-        hi = min(lo + QUERY_BLOCK, q_len)
-        rows = attention_rows(query[:, :, lo:hi], keys, mask(lo, hi), form, bias)
-        if query_valid is not None:  # padding queries attend to nothing (where, not a product: their rows may be NaN)
-            rows = torch.where(query_valid[:, None, lo:hi, None].to(rows.device), rows, 0.0)
-        best = torch.maximum(best, rows.amax(dim=2))
-    return best
+    whole ``q × n`` attention is never held (KVzip's importance: the most attention an entry receives).
+    Same blocks, cropping and masking as :func:`column_sums`; a padding query (``query_valid`` False) counts
+    as attending to nothing."""
+    return _blockwise(query, keys, None, mask, form, _as_weight(query_valid), bias, reduce="max")[1]
+
+
+def attention_and_column_maxima(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor],
+    form: AttentionForm | float,
+    query_valid: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention output ``(batch, q, q_heads, d)`` **and** :func:`column_maxima` from one pass (KVzip's probe
+    forwards on the CPU: the output then costs one ``P·V`` per block instead of a second, masked SDPA pass)."""
+    output, best = _blockwise(query, keys, values, mask, form, _as_weight(query_valid), bias, reduce="max")
+    assert output is not None
+    return output, best
+
+
+def _as_weight(query_valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Padding flags ``(batch, q)`` as the 0/1 query weights of :func:`_blockwise` (None: every query counts)."""
+    return None if query_valid is None else query_valid.to(torch.float32)
 
 
 def attention_and_column_sums(
@@ -366,8 +381,11 @@ def _blockwise(
     form: AttentionForm | float,
     query_weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    reduce: str = "sum",
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Column sums and, with ``values``, the output: see :func:`column_sums` and :func:`attention_and_column_sums`."""
+    """Column sums (``reduce="sum"``) or maxima (``"max"``; probabilities are non-negative, so a zero start and
+    zero-weighted padding queries change nothing) and, with ``values``, the output: see :func:`column_sums`,
+    :func:`column_maxima` and :func:`attention_and_column_sums`."""
     form = as_form(form)
     sinks = _grouped_sinks(form, keys.shape[1])
     batch, q_heads, q_len, _ = query.shape
@@ -406,7 +424,10 @@ def _blockwise(
             output[..., lo:hi, :] = block.view(batch, kv_heads, groups, hi - lo, -1)
         if query_weight is not None:
             probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
-        total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)
+        if reduce == "max":
+            total[..., :limit] = torch.maximum(total[..., :limit], probs.amax(dim=3).view(batch, q_heads, limit))
+        else:
+            total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)
     if output is None:
         return None, total
     assert values is not None

@@ -13,6 +13,7 @@ import torch
 
 from kvsieve.attention.kernel import (
     AttentionForm,
+    attention_and_column_maxima,
     attention_and_column_sums,
     attention_rows,
     column_maxima,
@@ -234,6 +235,17 @@ class LayerStep:
             self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid, self.bias()
         )
         self._memo["colsum"] = total
+        return output
+
+    def output_with_column_maxima(self) -> torch.Tensor:
+        """The attention output of this forward's queries over the dense view and :meth:`all_column_maxima` (memoised)
+        from one blockwise pass (KVzip's probe forwards on the CPU: the output is the probe's, never the user's)."""
+        self._require(COLUMN_MAXIMA)
+        view = self.view
+        output, best = attention_and_column_maxima(
+            self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid, self.bias()
+        )
+        self._memo["colmax"] = best
         return output
 
     def window_rows_unchecked(self, window: int) -> torch.Tensor:
