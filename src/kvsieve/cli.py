@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_cli.register(sub)
     duo_cli.register(sub)
+    from kvsieve.tune import cli as tune_cli
+
+    tune_cli.register(sub)
     _add_generate_command(sub)
     return parser
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from kvsieve.eval.tasks.text import CALIBRATION_SEEDS, HELDOUT_SEEDS
 from kvsieve.models.loading import DEFAULT_MODEL, parse_dtype, resolve_device
 from kvsieve.models.names import validate_model_name
 from kvsieve.policies.spec import PolicySpec, PolicySpecError
@@ -182,6 +183,12 @@ def _check_ranges(config: SweepConfig) -> None:
         raise SweepConfigError(f"lengths: give context lengths ≥ 1 token; got {config.lengths}")
     if config.samples < 1:
         raise SweepConfigError(f"samples: must be ≥ 1; got {config.samples}")
+    if config.seed in CALIBRATION_SEEDS:  # what kvsieve tune fits on is never what an evaluation reports
+        raise SweepConfigError(
+            f"seed: {config.seed} is a calibration seed ({CALIBRATION_SEEDS.start}–{CALIBRATION_SEEDS.stop - 1}, "
+            f"reserved for kvsieve tune); evaluate on another seed, e.g. a held-out one "
+            f"({HELDOUT_SEEDS.start}–{HELDOUT_SEEDS.stop - 1}: haystacks from essays no calibration sample uses)"
+        )
     for key in ("workers", "threads"):
         value = getattr(config, key)
         if value is not None and value < 1:

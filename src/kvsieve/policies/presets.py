@@ -10,8 +10,9 @@ for every method:
    ``scorer``) or a part object;
 3. every other parameter goes to the part that declares a field (or an alias) of that name — nested parts
    included (CAOTE's base) — the first in ``scorer, allocator, action, selector, schedule`` order unless the
-   preset routes it (``routes``); fields a part takes from the budget (a selector's ``k``) are not
-   parameters;
+   preset routes it (``routes``) or the name says the part: ``allocator.beta=10`` is the allocator's ``beta``
+   whatever the scorer declares (how ``kvsieve tune`` writes its compositions); fields a part takes from the
+   budget (a selector's ``k``) are not parameters;
 4. each part is rebuilt once and validates itself, then the :class:`Policy` checks the combination.
 
 Unknown names and parameters raise before any work, listing what is allowed.
@@ -19,6 +20,7 @@ Unknown names and parameters raise before any work, listing what is allowed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvsieve.core.part import PART_KINDS, Part, PolicyConfigError
@@ -34,6 +36,7 @@ from kvsieve.policies.catalog import (
     unregister_preset,
 )
 from kvsieve.policies.policy import Policy
+from kvsieve.policies.preset_file import is_preset_file, read_preset_file
 
 __all__ = ["FULL", "Preset", "UnknownPolicyError", "list_policies", "make_policy", "preset", "register_preset",
            "unregister_preset"]
@@ -68,8 +71,12 @@ def _replacement(name: str, kind: str, given: str, value: object, built: dict[st
 
 
 def _owner(param: str, p: Preset, built: dict[str, Part | None]) -> tuple[str, tuple[str, ...]] | None:
-    """(part kind, field path) that parameter ``param`` sets, or None."""
-    order = [p.routes[param]] if param in p.routes else list(PART_KINDS)
+    """(part kind, field path) that parameter ``param`` (or ``kind.param``) sets, or None."""
+    kind_given, dot, field_name = param.partition(".")
+    if dot:
+        order, param = ([kind_given] if kind_given in PART_KINDS else []), field_name
+    else:
+        order = [p.routes[param]] if param in p.routes else list(PART_KINDS)
     for kind in order:
         part = built[kind]
         if part is not None:
@@ -80,7 +87,16 @@ def _owner(param: str, p: Preset, built: dict[str, Part | None]) -> tuple[str, t
 
 
 def make_policy(name: str, **params: Any) -> Policy:
-    """Build a preset with ``params`` (see the module docstring); bad names and values raise before any work."""
+    """Build a preset with ``params`` (see the module docstring); bad names and values raise before any work.
+
+    ``name`` may also be a preset file (``*.json``, :mod:`kvsieve.policies.preset_file`, e.g. written by
+    ``kvsieve tune``): its base preset and parameters, then ``params`` over them.
+    """
+    if is_preset_file(name):
+        file_name, base, stored, budget = read_preset_file(name)
+        if budget is not None and "budget" not in params and "ratio" not in params:
+            params["budget"] = budget
+        return replace(make_policy(base, **{**stored, **params}), name=file_name)
     p = preset(name)
     built: dict[str, Part | None] = p.parts()
     policy_kw = {key: params.pop(key) for key in POLICY_PARAMS if key in params}

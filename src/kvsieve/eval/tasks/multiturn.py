@@ -33,12 +33,11 @@ from kvsieve.eval.tasks.base import Built, SyntheticTask, TaskSample, continuati
 from kvsieve.eval.tasks.text import (
     DEPTHS,
     distinct,
+    haystack_words,
     insert_at_depths,
-    num_essays,
     random_key,
     random_number,
     split_sentences,
-    take_words,
 )
 
 _NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -70,8 +69,7 @@ class MultiTurnRetrieval(SyntheticTask):
         depths = sorted(d / 100 for d in rng.sample(DEPTHS, self.turns))
         order = rng.sample(range(self.turns), self.turns)
         needles = [_NEEDLE.format(key=k, value=v) for k, v in zip(keys, values, strict=True)]
-        start = rng_for(key, "essay").randrange(num_essays())
-        sentences = split_sentences(" ".join(take_words(start, units)))
+        sentences = split_sentences(" ".join(haystack_words(key, units, rng_for(key, "essay"))))
         context = " ".join(insert_at_depths(sentences, needles, depths))
         asked = [keys[i] for i in order]
         return Built(

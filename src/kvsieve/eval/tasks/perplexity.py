@@ -33,7 +33,7 @@ from typing import ClassVar
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.eval.tasks.base import Task, TaskSample, rng_for, sample_key
-from kvsieve.eval.tasks.text import num_essays, take_words
+from kvsieve.eval.tasks.text import essay_pool, num_essays, take_words
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,12 @@ class EssayPerplexity(Task):
     def make_sample(self, tokenizer: PreTrainedTokenizerBase, length: int, index: int, seed: int) -> TaskSample:
         self.check_length(length)
         rng = rng_for(sample_key(self.text, length, seed, index))
-        essay, offset = rng.randrange(num_essays()), rng.randrange(2000)
+        pool = essay_pool(seed)  # the calibration / held-out split of the seed (all essays for ordinary seeds)
+        essay, offset = rng.randrange(len(pool)), rng.randrange(2000)
+        chosen = None if len(pool) == num_essays() else pool
         words = 2 * length
         while True:
-            text = " ".join(take_words(essay, offset + words)[offset:])
+            text = " ".join(take_words(essay, offset + words, chosen)[offset:])
             ids = tokenizer(text).input_ids
             if len(ids) >= length:
                 break

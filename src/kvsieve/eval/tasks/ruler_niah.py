@@ -42,14 +42,13 @@ from kvsieve.eval.tasks.text import (
     DEPTHS,
     NOISE,
     distinct,
+    haystack_words,
     insert_at_depths,
     join_keys,
-    num_essays,
     random_key,
     random_number,
     random_uuid,
     split_sentences,
-    take_words,
 )
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
@@ -117,8 +116,7 @@ class RulerNiah(SyntheticTask):
         self, key: str, units: int, needles: list[str], depths: list[float], keys: list[str], kind: str
     ) -> str:
         if self.haystack == "essay":
-            start = rng_for(key, "essay").randrange(num_essays())
-            sentences = split_sentences(" ".join(take_words(start, units)))
+            sentences = split_sentences(" ".join(haystack_words(key, units, rng_for(key, "essay"))))
             return " ".join(insert_at_depths(sentences, needles, depths))
         if self.haystack == "noise":
             return "\n".join(insert_at_depths([NOISE] * units, needles, depths))

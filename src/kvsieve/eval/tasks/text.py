@@ -36,12 +36,49 @@ _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+")
 _WORD = re.compile(r"\b[a-z]{4,10}\b")
 
 
+#: Sweep seeds that build *calibration* samples (``kvsieve tune``): haystacks from the calibration essays only.
+CALIBRATION_SEEDS = range(1_000_000, 2_000_000)
+#: Sweep seeds that build *held-out* samples (evaluating what was tuned): haystacks from the other essays only.
+HELDOUT_SEEDS = range(2_000_000, 3_000_000)
+#: Every ``CALIBRATION_STRIDE``-th essay (in file-name order, from the first) is a calibration essay.
+CALIBRATION_STRIDE = 4
+
+
+def split_of(seed: int) -> str:
+    """``"calibration"``, ``"heldout"`` or ``"standard"`` (every other seed: all essays, as every study before)."""
+    if seed in CALIBRATION_SEEDS:
+        return "calibration"
+    return "heldout" if seed in HELDOUT_SEEDS else "standard"
+
+
+def essay_pool(seed: int) -> tuple[int, ...]:
+    """Indices of the essays a sample of sweep seed ``seed`` may take its haystack from.
+
+    The calibration and held-out pools are disjoint (a quarter and three quarters of the essays); the
+    standard pool is every essay, so samples of ordinary seeds are the ones every earlier study used.
+    """
+    essays = range(len(load_essay_texts()))
+    split = split_of(seed)
+    if split == "calibration":
+        return tuple(i for i in essays if i % CALIBRATION_STRIDE == 0)
+    if split == "heldout":
+        return tuple(i for i in essays if i % CALIBRATION_STRIDE != 0)
+    return tuple(essays)
+
+
+def seed_of_key(key: str) -> int:
+    """The sweep seed inside a :func:`~kvsieve.eval.tasks.base.sample_key` (``kvsieve/name/length/seed/index``)."""
+    return int(key.split("/")[3])
+
+
 @lru_cache(maxsize=8)
-def essay_words(start: int) -> tuple[str, ...]:
-    """Every essay's words from essay ``start`` on (wrapping round), whitespace collapsed as in RULER."""
+def essay_words(start: int, pool: tuple[int, ...] | None = None) -> tuple[str, ...]:
+    """The words of the essays of ``pool`` (default: all) from its ``start``-th on (wrapping round), whitespace
+    collapsed as in RULER."""
     essays = load_essay_texts()
-    start %= len(essays)
-    text = " ".join(essays[start:] + essays[:start]).translate(_CP1252)
+    chosen = [essays[i] for i in pool] if pool is not None else list(essays)
+    start %= len(chosen)
+    text = " ".join(chosen[start:] + chosen[:start]).translate(_CP1252)
     return tuple(text.split())
 
 
@@ -50,11 +87,20 @@ def num_essays() -> int:
     return len(load_essay_texts())
 
 
-def take_words(start: int, count: int) -> list[str]:
-    """The first ``count`` words from essay ``start`` on, cycling through the essays again if needed."""
-    words = essay_words(start)
+def take_words(start: int, count: int, pool: tuple[int, ...] | None = None) -> list[str]:
+    """The first ``count`` words from the ``start``-th essay of ``pool`` (default: all) on, cycling through the
+    pool again if needed."""
+    words = essay_words(start, pool)
     reps, rest = divmod(count, len(words))
     return list(words) * reps + list(words[:rest])
+
+
+def haystack_words(key: str, count: int, rng: random.Random) -> list[str]:
+    """``count`` haystack words for the sample of ``key``, from an essay drawn with ``rng`` within the pool of its
+    seed (:func:`essay_pool`); for standard seeds the same draw and words as ``take_words(randrange(49), count)``."""
+    pool = essay_pool(seed_of_key(key))
+    start = rng.randrange(len(pool))
+    return take_words(start, count, None if len(pool) == num_essays() else pool)
 
 
 def split_sentences(text: str) -> list[str]:
