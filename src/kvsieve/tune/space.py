@@ -124,10 +124,14 @@ def check_choices(choices: Mapping[str, Sequence[str]]) -> None:
 
 
 def _fits(spec: tuple[Any, ...], field_name: str, budget: int) -> tuple[Any, ...]:
-    """A window no larger than the budget (a policy refuses a window that exceeds it)."""
-    if field_name == "window" and spec[0] == "cat":
-        return ("cat", tuple(v for v in spec[1] if v <= budget) or (0,))
-    return spec
+    """Ranges fitted to the budget, so every draw builds: a protected window of at most half the budget and a
+    global allocator's per-head floor of at most a quarter (a policy refuses a window, or window + floor, that
+    exceeds the budget)."""
+    if spec[0] != "cat" or field_name not in ("window", "floor"):
+        return spec
+    limit = budget // 2 if field_name == "window" else budget // 4
+    fitted = tuple(v for v in spec[1] if v <= limit)
+    return ("cat", fitted or (min(v for v in spec[1]) if min(spec[1]) <= budget else 0,))
 
 
 def part_fields(kind: str, name: str, budget: int) -> dict[str, tuple[Any, ...]]:

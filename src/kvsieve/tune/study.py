@@ -6,7 +6,7 @@ resumable on-disk journal and no server; the expensive part is evaluating a tria
 evaluation cells over local processes or a Ray cluster (:mod:`kvsieve.eval.backends`), so Ray Tune would only
 add a second scheduler. ``--backend ray`` sends the cells of every trial to Ray like ``kvsieve eval``.
 
-One round (deterministic given the seed and the settings):
+One round (deterministic given the seed, the settings and where a stopped search was resumed):
 
 1. ``batch`` trials are asked together (TPE with the constant liar, so they differ) and each becomes a
    composition; a composition the policy refuses fails at once, before any model work;
@@ -209,12 +209,16 @@ def open_study(out: Path, seed: int, startup: int) -> Any:
     # Optuna ≥ 5 reads constraints a trial sets (``Trial.set_constraint``, see :func:`_set_bytes_constraint`);
     # before 5 the sampler asks a ``constraints_func`` (deprecated in 5)
     legacy = {} if _has_set_constraint(optuna) else {"constraints_func": _constraint}
-    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=startup, **legacy)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=max(2, startup // 2), n_warmup_steps=0)
-    study = optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=STUDY_NAME,
-                                direction="minimize", load_if_exists=True)
+    study = optuna.create_study(storage=storage, pruner=pruner, study_name=STUDY_NAME, direction="minimize",
+                                load_if_exists=True)
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         study.tell(stale.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    # a resumed search continues from the trials it has: re-seeding with the seed alone would draw the first
+    # trials' parts again; seeding with (seed, trials so far) keeps it deterministic given where it stopped
+    resumed_at = len(study.get_trials(deepcopy=False))
+    study.sampler = optuna.samplers.TPESampler(seed=seed + 1_000_003 * resumed_at, constant_liar=True,
+                                               n_startup_trials=startup, **legacy)
     return study
 
 
