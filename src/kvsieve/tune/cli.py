@@ -73,7 +73,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tune_config(args: argparse.Namespace) -> Any:
     """A :class:`~kvsieve.tune.study.TuneConfig` from the parsed flags (every value checked)."""
-    from kvsieve.tune.study import DEFAULT_BASELINES, TuneConfig
+    from kvsieve.tune.config import DEFAULT_BASELINES, TuneConfig
 
     budget = args.budget
     if args.budget_bytes is not None:

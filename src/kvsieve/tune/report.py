@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsieve.tune.study import ANCHOR, TrialResult, TuneConfig
+from kvsieve.tune.config import ANCHOR, TrialResult, TuneConfig
 
 
 @dataclass(frozen=True)

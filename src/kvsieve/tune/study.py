@@ -31,7 +31,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,95 +40,14 @@ from tqdm import tqdm
 from kvsieve.eval.backends import DEFAULT_CELL_FN, Backend, Cell, Job, SerialBackend, default_threads, make_backend
 from kvsieve.eval.results import RECORDS_FILE, RecordWriter, read_records, record_key
 from kvsieve.eval.runner import cell_key
-from kvsieve.tune.calibration import CalibrationSet, groups_for
-from kvsieve.tune.space import Composition, Space, check_choices, default_choices
+from kvsieve.tune.calibration import groups_for
+from kvsieve.tune.config import ANCHOR, TrialResult, TuneConfig, summarise
+from kvsieve.tune.report import write_report
+from kvsieve.tune.space import Composition, Space
 
-#: The equal-memory anchor: every trial's bytes are compared with this preset's at the same budget.
-ANCHOR = "snapkv"
-#: Seed methods and baselines evaluated on the calibration set for the report (``--baselines``).
-DEFAULT_BASELINES = (
-    "restkv", "h2o_caote", "snapkv_fastcaote", "ems", "rocketkv", "dbtrimkv", "snapkv", "pyramidkv", "adakv",
-    "h2o", "tova", "streaming_llm", "random",
-)
 STUDY_NAME = "kvsieve-tune"
 JOURNAL_FILE = "study.journal"
 CONFIG_FILE = "tune.json"
-
-
-@dataclass
-class TuneConfig:
-    """Everything ``kvsieve tune`` needs (see the CLI's flags)."""
-
-    budget: int
-    calibration: CalibrationSet = field(default_factory=CalibrationSet)
-    model: str = "smollm2"
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    trials: int | None = 40
-    time_limit: float | None = None
-    batch: int = 4
-    prune_after: int = 6
-    workers: int = 1
-    threads: int | None = None
-    backend: str = "local"
-    address: str | None = None
-    output_dir: str = "results/tune"
-    choices: dict[str, tuple[str, ...]] = field(default_factory=default_choices)
-    baselines: tuple[str, ...] = DEFAULT_BASELINES
-    seed: int = 0
-    name: str | None = None
-    byte_tolerance: float = 0.01
-
-    def validate(self) -> None:
-        for key, low in (("budget", 1), ("batch", 1), ("prune_after", 1), ("workers", 1)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"--{key.replace('_', '-')}: must be an int ≥ {low}; got {value!r}")
-        if self.trials is not None and self.trials < 1:
-            raise ValueError(f"--trials: must be ≥ 1; got {self.trials}")
-        if self.time_limit is not None and self.time_limit <= 0:
-            raise ValueError(f"--time-limit: must be > 0 seconds; got {self.time_limit}")
-        if self.trials is None and self.time_limit is None:
-            raise ValueError("give --trials or --time-limit (or both): the search needs an end")
-        if not 0 <= self.byte_tolerance < 1:
-            raise ValueError(f"byte_tolerance: must be in [0, 1); got {self.byte_tolerance}")
-        check_choices(self.choices)
-        from kvsieve.policies.presets import make_policy
-
-        for name in (*self.baselines, ANCHOR):
-            try:
-                make_policy(name, budget=self.budget)
-            except ValueError as err:
-                raise ValueError(f"--baselines: {name}: {err}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["calibration"] = self.calibration.to_dict()
-        out["choices"] = {kind: list(names) for kind, names in self.choices.items()}
-        out["baselines"] = list(self.baselines)
-        return out
-
-
-@dataclass
-class TrialResult:
-    """What one trial's cells give (means over the cells evaluated)."""
-
-    kl: float
-    logprob_gap: float
-    score: float
-    kv_bytes: float
-    kv_bytes_full: float
-    cells: int
-
-
-def summarise(records: Sequence[dict[str, Any]]) -> TrialResult:
-    """Means over a trial's records (``kl_full_compressed`` per answer token, bytes held, …)."""
-    def mean(key: str) -> float:
-        values = [float(r[key]) for r in records if r.get(key) is not None]
-        return sum(values) / len(values) if values else float("nan")
-
-    return TrialResult(mean("kl_full_compressed"), mean("logprob_gap"), mean("score"), mean("kv_bytes_held"),
-                       mean("kv_bytes_full"), len(records))
 
 
 class CellCache:
@@ -263,8 +182,6 @@ def run_tune(config: TuneConfig, *, progress: bool = True,
     preset_path = None
     if best is not None and best_result is not None:
         preset_path = write_best_preset(out, config, best, best_result, baselines, anchor_bytes)
-    from kvsieve.tune.report import write_report
-
     write_report(out, study, baselines, anchor_bytes, config)
     del optuna
     return TuneOutcome(out, study, best, best_result, preset_path, baselines, anchor_bytes)
@@ -371,14 +288,15 @@ def composition_of(trial: Any) -> Composition:
 def write_best_preset(out: Path, config: TuneConfig, best: Composition, result: TrialResult,
                       baselines: dict[str, TrialResult], anchor_bytes: float) -> Path:
     """``out/<name>.json``: the best feasible composition as a preset file, with where it came from."""
-    from kvsieve import __version__
+    from importlib import metadata
+
     from kvsieve.models.loading import model_identity
     from kvsieve.policies.preset_file import write_preset_file
 
     name = config.name or f"tuned_b{config.budget}"
     provenance = {
         "model": config.model, "model_identity": model_identity(config.model), "dtype": config.dtype,
-        "kvsieve_version": __version__, "calibration": config.calibration.to_dict(),
+        "kvsieve_version": metadata.version("kvsieve"), "calibration": config.calibration.to_dict(),
         "score": {"kl_per_answer_token": result.kl, "logprob_gap": result.logprob_gap, "exact_match": result.score,
                   "kv_bytes_held_over_anchor": result.kv_bytes / anchor_bytes, "anchor": ANCHOR},
         "baselines_on_calibration": {name: b.kl for name, b in baselines.items()},
