@@ -236,3 +236,15 @@ def test_bad_settings_are_refused_before_any_work(tmp_path: Path, capsys: Any) -
     assert main([*ARGS, "--scorers", "nosuch", "--trials", "2", "--output-dir", str(out)]) == 2
     assert "--scorers: choose one or more of" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_ray_backend_runs_the_same_search(tmp_path: Path) -> None:
+    """``--backend ray`` sends every trial's cells to Ray tasks: the same trials and values as in-process."""
+    ray = pytest.importorskip("ray")
+    try:
+        assert main([*ARGS, "--trials", "2", "--backend", "ray", "--output-dir", str(tmp_path / "ray")]) == 0
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert main([*ARGS, "--trials", "2", "--output-dir", str(tmp_path / "local")]) == 0
+    assert _trials(tmp_path / "ray") == _trials(tmp_path / "local")
