@@ -51,6 +51,9 @@ class _Step(SimpleNamespace):
     def window_rows(self, window):
         return self.rows[:, :, -window:]
 
+    def lengths(self):
+        return torch.full(self.view.positions.shape[:2], self.view.positions.shape[-1])
+
 
 def _store(length: int) -> LayerStore:
     store = LayerStore(1, 1, 2, torch.float32, torch.device("cpu"))
@@ -85,6 +88,26 @@ def test_local_score_window_swap_by_hand():
     assert extras[LOCAL_ROWS][0, 0].tolist() == [1.0] * n
     total = prompt_rows[0, 0].sum(0) + sum(r[0, 0] for r in decoded)
     torch.testing.assert_close(extras[GLOBAL][0, 0], total)
+
+
+def test_global_term_ablation_scores_the_local_term_alone():
+    """``use_global=False``: the score is the pooled ``s_loc`` (the window rows' sum), whatever ``s_glo`` holds;
+    with the global term, an entry the prompt attended to a lot but the window did not is still ranked."""
+    n = 6
+    store = _store(n)
+    rows = torch.zeros(1, 1, 3, n)
+    rows[0, 0, 0, 1] = 5.0  # only the first (non-window) query attends to entry 1
+    rows[0, 0, 1:, 3] = 1.0  # the window's two queries attend to entry 3
+    step = _Step(view=store.dense(), kv_heads=1, q_len=3, row=rows.sum(2), rows=rows)
+    ablated, full = GlobalLocal(window=2, kernel_size=1, use_global=False), GlobalLocal(window=2, kernel_size=1)
+    for name, delta in full.observe(step).items():
+        store.add_dense(name, delta)
+    step = _Step(view=store.dense(), kv_heads=1, q_len=3, row=rows.sum(2), rows=rows)
+    local = ablated.raw(step, torch.zeros(1, 1, n))
+    assert local[0, 0, :4].tolist() == [0.0, 0.0, 0.0, 2.0]  # the last 2 entries are the protected window
+    assert full.raw(step, torch.zeros(1, 1, n))[0, 0, 1] > 0  # the global term keeps entry 1 in the running
+    with pytest.raises(kvsieve.PolicyConfigError, match="use_global must be True or False"):
+        GlobalLocal(use_global="no")
 
 
 def test_decoding_window_swap_in_a_model():

@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.store import SideSpec
-from kvsieve.core.part import require_int, require_odd_int
+from kvsieve.core.part import PolicyConfigError, require_int, require_odd_int
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import COLUMN_SUMS, WINDOW_ROWS, LayerStep
 from kvsieve.ops.gqa import reduce_groups
@@ -72,10 +72,14 @@ class GlobalLocal(Scorer):
     )
     window: int = 32
     kernel_size: int = 7
+    #: False: the local score alone (``s = s_loc``), the global-term ablation (the paper's "w/o global")
+    use_global: bool = True
 
     def validate(self) -> None:
         require_int(self.name, "window", self.window, 1)
         require_odd_int(self.name, "kernel_size", self.kernel_size)
+        if not isinstance(self.use_global, bool):
+            raise PolicyConfigError(f"{self.name}: use_global must be True or False; got {self.use_global!r}")
 
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
         extras = step.view.extras
@@ -99,7 +103,7 @@ class GlobalLocal(Scorer):
         extras = step.view.extras
         valid = step.entry_valid()
         s_loc = extras[LOCAL_PAST].float() + extras[LOCAL_CUR].float()
-        scores = global_local(extras[GLOBAL], s_loc, valid)
+        scores = global_local(extras[GLOBAL], s_loc, valid) if self.use_global else s_loc.masked_fill(~valid, 0.0)
         lengths = step.lengths()
         offsets = torch.arange(scores.shape[-1], device=scores.device)
         in_window = offsets.view(1, 1, -1) >= (lengths - self.window).unsqueeze(-1)
