@@ -248,3 +248,24 @@ def test_the_ray_backend_runs_the_same_search(tmp_path: Path) -> None:
             ray.shutdown()
     assert main([*ARGS, "--trials", "2", "--output-dir", str(tmp_path / "local")]) == 0
     assert _trials(tmp_path / "ray") == _trials(tmp_path / "local")
+
+
+def test_time_limit_and_byte_budget(tmp_path: Path) -> None:
+    """``--time-limit`` ends the search after the batch running when it expires; ``--budget-bytes`` is the entries
+    ``KVCache(budget_bytes=)`` would hold (2 layers' worth of keys and values per head of the tiny model)."""
+    import argparse
+
+    from kvsieve.engine.kv_cache import budget_from_bytes
+    from kvsieve.models.loading import load_model
+    from kvsieve.tune.cli import add_tune_arguments, tune_config
+
+    parser = argparse.ArgumentParser()
+    add_tune_arguments(parser)
+    model, _ = load_model("tiny-llama", "float32", "cpu")
+    args = parser.parse_args([*ARGS[1:5], "--budget-bytes", "12288", "--time-limit", "1s"])
+    config = tune_config(args)
+    assert config.budget == budget_from_bytes(model, {"budget_bytes": 12288})["budget"] > 0
+    assert config.trials is None and config.time_limit == 1.0
+    out = tmp_path / "timed"
+    assert main([*ARGS, "--time-limit", "0.001", "--output-dir", str(out)]) == 0
+    assert len([t for t in _trials(out) if t[0] in ("COMPLETE", "PRUNED")]) == 2  # one batch, then time is up

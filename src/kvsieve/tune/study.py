@@ -198,15 +198,16 @@ def _search(study: Any, config: TuneConfig, cache: CellCache, anchor_bytes: floa
     finished = len(study.get_trials(deepcopy=False, states=(states.COMPLETE, states.PRUNED)))
     refused = 0
     space = Space.build(config.choices, config.budget)
-    started = time.monotonic()
+    started, ran = time.monotonic(), False
     bar = tqdm(total=config.trials, initial=min(finished, config.trials or finished), desc="kvsieve tune",
                unit="trial", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     size, budget, calibration = config.calibration.size(), config.budget, config.calibration
     split = min(config.prune_after, size)
     try:
         while config.trials is None or finished < config.trials:
-            if config.time_limit is not None and time.monotonic() - started >= config.time_limit:
-                break
+            if config.time_limit is not None and ran and time.monotonic() - started >= config.time_limit:
+                break  # the limit ends the search after the batch running when it expires (at least one runs)
+            ran = True
             count = config.batch if config.trials is None else min(config.batch, config.trials - finished)
             asked = [study.ask() for _ in range(count)]
             refused_now = 0
