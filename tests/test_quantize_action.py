@@ -141,6 +141,8 @@ def test_budget_bytes_is_a_budget_in_full_entries(model):
         ({"action": "quantize"}, "side data"),  # h2o keeps an accumulator per entry
         ({"action": "quantize", "bits": 3}, "bits must be one of"),
         ({"action": "quantize", "low_share": 1.5}, "low_share"),
+        ({"action": "quantize", "low_share": 0.5, "schedule": "blockwise"}, "cannot keep mixed precision"),
+        ({"action": "quantize", "low_share": 0.5, "schedule": "decode", "scorer": "tova"}, "cannot keep mixed"),
     ],
 )
 def test_bad_combinations_are_refused_before_any_work(model, params, mentions):
@@ -191,3 +193,26 @@ def test_several_tiers_take_the_next_best_entries_in_decreasing_precision(model)
 def test_bad_tiers_are_refused(params, mentions):
     with pytest.raises(kvsieve.PolicyConfigError, match=mentions):
         kvsieve.make_policy("snapkv", budget=16, action="quantize", **params)
+
+
+def test_kivi_under_every_step_compaction_leaves_no_new_empty_slots(model):
+    """What the mixed regime's refusal under ``decode``/``blockwise`` protects: KIVI (``low_share=None``) only moves
+    whole groups out of its residual and never evicts a quantized entry, so the empty slots of its quantized
+    groups (the prompt's last, partial group per head) do not grow while it decodes."""
+    cache = kvsieve.KVCache(model, "kivi", budget=16)
+    ids = prompt(length=100)
+
+    def empty_slots() -> int:
+        return sum(int((~tier.valid).sum()) for layer in cache.layers for tier in layer.store.tiers)
+
+    with torch.no_grad():
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        out = model(token, **cache_kwargs(model, cache), use_cache=True)  # the prompt's compaction runs here
+        after_prompt = empty_slots()
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(70):
+            out = model(token, **cache_kwargs(model, cache), use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+    assert empty_slots() == after_prompt
+    assert sum(int(tier.valid.sum()) for layer in cache.layers for tier in layer.store.tiers) > 0

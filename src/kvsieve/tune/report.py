@@ -147,6 +147,11 @@ def _plot(out: Path, points: list[Point], frontier: list[Point], config: TuneCon
     ax.plot([100 * p.bytes_share for p in frontier], [p.kl for p in frontier], color="black", lw=1,
             drawstyle="steps-post", label="Pareto frontier")
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    percent = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(percent)
+    ax.xaxis.set_minor_formatter(percent)
     ax.set_xlabel("KV bytes held (% of the full cache, log scale)")
     ax.set_ylabel("KL(full ‖ policy) per answer token")
     ax.set_title(f"kvsieve tune: {config.model}, budget {config.budget}/head (red: seed methods and baselines)")
