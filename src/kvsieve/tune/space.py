@@ -139,12 +139,19 @@ def part_fields(kind: str, name: str, budget: int) -> dict[str, tuple[Any, ...]]
     return {field_name: _fits(spec, field_name, budget) for field_name, spec in SPACES[kind][name].items()}
 
 
+def _typical(spec: tuple[Any, ...]) -> Any:
+    """A value a trial may draw for a field (its first choice, or its low end): the validity check builds the
+    policy with these, so a field that changes the regime (quantize's ``low_share``) is checked as drawn."""
+    return spec[1][0] if spec[0] == "cat" else spec[1]
+
+
 @dataclass(frozen=True)
 class Space:
     """The parts a search may choose and which combinations the policy accepts (checked once, no model needed).
 
     ``valid`` holds every (scorer, allocator, action, schedule) that :func:`kvsieve.make_policy` builds at the
-    budget with each part's defaults (windows fitted to the budget), so a trial only draws compositions that
+    budget with each tuned field at a value a trial may draw (windows fitted to the budget), so a trial only draws
+    compositions that
     can run: the allocator among those valid with its scorer, and so on. A parameter's name carries its set of
     choices when that set is narrowed (``action[evict,evict_merge]``), so the sampler learns one distribution
     per distinct set.
@@ -161,14 +168,14 @@ class Space:
         check_choices(choices)
         valid = set()
         for scorer in choices["scorer"]:
-            fields = {f"scorer.{k}": v[1][0] for k, v in part_fields("scorer", scorer, budget).items()
-                      if k == "window"}
             for allocator in choices["allocator"]:
                 for action in choices["action"]:
                     for schedule in choices["schedule"]:
+                        picked = {"scorer": scorer, "allocator": allocator, "action": action, "schedule": schedule}
+                        fields = {f"{kind}.{k}": _typical(spec) for kind, name in picked.items()
+                                  for k, spec in part_fields(kind, name, budget).items()}
                         try:
-                            make_policy(BASES.get(scorer, scorer), budget=budget, scorer=scorer, allocator=allocator,
-                                        action=action, schedule=schedule, **fields)
+                            make_policy(BASES.get(scorer, scorer), budget=budget, **picked, **fields)
                         except ValueError:
                             continue
                         valid.add((scorer, allocator, action, schedule))
