@@ -30,14 +30,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from kvsieve.eval.backends import DEFAULT_CELL_FN, Backend, Cell, Job, SerialBackend, default_threads, make_backend
+from kvsieve.eval.backends import DEFAULT_CELL_FN, Backend, Cell, Job, default_threads, make_backend
 from kvsieve.eval.results import RECORDS_FILE, RecordWriter, read_records, record_key
 from kvsieve.eval.runner import cell_key
 from kvsieve.tune.calibration import groups_for
@@ -141,11 +141,8 @@ def open_study(out: Path, seed: int, startup: int) -> Any:
     return study
 
 
-def run_tune(config: TuneConfig, *, progress: bool = True,
-             backend_factory: Callable[[Job, int], Backend] | None = None) -> TuneOutcome:
+def run_tune(config: TuneConfig, *, progress: bool = True) -> TuneOutcome:
     """Validate, evaluate the baselines, search, write the best preset and the report (see the module docstring)."""
-    import optuna
-
     config.validate()
     out = Path(config.output_dir)
     _check_same_setup(out, config)
@@ -154,12 +151,7 @@ def run_tune(config: TuneConfig, *, progress: bool = True,
     threads = config.threads or default_threads(config.workers)
     job = Job(model=config.model, dtype=config.dtype, device=config.device, cell_fn=DEFAULT_CELL_FN,
               threads=threads, reference_dir=str(out / "reference"))
-    if backend_factory is not None:
-        backend = backend_factory(job, config.workers)
-    elif config.backend == "local" and config.workers == 1:
-        backend = SerialBackend(job)
-    else:
-        backend = make_backend(config.backend, job, config.workers, config.address)
+    backend = make_backend(config.backend, job, config.workers, config.address)  # serial for one local worker
     calibration, budget = config.calibration, config.budget
     size = calibration.size()
     try:
@@ -183,7 +175,6 @@ def run_tune(config: TuneConfig, *, progress: bool = True,
     if best is not None and best_result is not None:
         preset_path = write_best_preset(out, config, best, best_result, baselines, anchor_bytes)
     write_report(out, study, baselines, anchor_bytes, config)
-    del optuna
     return TuneOutcome(out, study, best, best_result, preset_path, baselines, anchor_bytes)
 
 
