@@ -7,6 +7,7 @@ a :class:`LayerStep` built for it refuses the others, so the declaration stays t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -229,23 +230,21 @@ class LayerStep:
         """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic."""
-        self._require(COLUMN_SUMS)
-        view = self.view
-        output, total = attention_and_column_sums(
-            self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid, self.bias()
-        )
-        self._memo["colsum"] = total
-        return output
+        return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
 
     def output_with_column_maxima(self) -> torch.Tensor:
         """The attention output of this forward's queries over the dense view and :meth:`all_column_maxima` (memoised)
         from one blockwise pass (KVzip's probe forwards on the CPU: the output is the probe's, never the user's)."""
-        self._require(COLUMN_MAXIMA)
+        return self._fused_output(COLUMN_MAXIMA, "colmax", attention_and_column_maxima)
+
+    def _fused_output(self, statistic: str, memo_key: str, kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                      ) -> torch.Tensor:
+        """The output and ``statistic`` from one kernel pass; the statistic is memoised under ``memo_key``."""
+        self._require(statistic)
         view = self.view
-        output, best = attention_and_column_maxima(
-            self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid, self.bias()
-        )
-        self._memo["colmax"] = best
+        output, value = kernel(self.query, view.keys, view.values, self._block_mask, self.form, self.query_valid,
+                               self.bias())
+        self._memo[memo_key] = value
         return output
 
     def window_rows_unchecked(self, window: int) -> torch.Tensor:
