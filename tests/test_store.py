@@ -259,3 +259,59 @@ def test_keep_returns_the_kept_source_rows():
     expected = torch.cat([start[s] + local[s, : int(counts[s])] for s in range(B * H)])
     assert torch.equal(rows, expected)
     assert torch.equal(store.keys, old_keys[rows])  # the kept entries, in order, are those source rows
+
+
+def expected_after_appended(before: torch.Tensor, view_positions: torch.Tensor, valid: torch.Tensor | None,
+                            values: torch.Tensor, first: int) -> torch.Tensor:
+    """``before`` (the side data over the dense view) plus ``values[..., p - first]`` on entries at ``p ≥ first``."""
+    offset = view_positions - first
+    is_new = offset >= 0
+    if valid is not None:
+        is_new = is_new & valid
+    added = values.gather(-1, offset.clamp(0, values.shape[-1] - 1))
+    return before + torch.where(is_new, added, torch.zeros(()))
+
+
+@pytest.mark.parametrize("path", ["uniform_prompt", "uniform_step", "ragged_padded_prompt", "ragged_step"])
+def test_add_to_appended_writes_only_the_last_appended_entries(path):
+    store = make_store()
+    keys, values = kv(5, seed=21)
+    store.append(keys, values, 0, None)
+    store.ensure_extra("acc")
+    store.add_dense("acc", torch.rand(B, H, 5, generator=torch.Generator().manual_seed(1)))
+    if path.startswith("ragged"):  # different lengths per segment
+        local = torch.tensor([[0, 2, 4], [1, 3, 0], [0, 1, 2], [4, 0, 0], [0, 1, 3], [2, 3, 4]])
+        store.keep(local, torch.tensor([3, 2, 3, 1, 3, 3]))
+        assert not store.is_uniform
+    first = 5
+    if path == "ragged_step":  # a first step grows every segment with slack; the next is written in place
+        store.append(*kv(1, seed=24), first, None)
+        first += 1
+    q, valid = (3, None) if path.endswith("prompt") else (1, None)
+    if path == "ragged_padded_prompt":
+        valid = torch.tensor([[False, True, True], [True, True, True]])
+    new_keys, new_values = kv(q, seed=22)
+    store.append(new_keys, new_values, first, valid)
+    if path == "ragged_step":
+        assert store._next_rows is not None  # the in-place decoding append
+    before = store.dense().extras["acc"].clone()
+    update = torch.randn(B, H, q, generator=torch.Generator().manual_seed(2))
+    view = store.dense()
+    expected = expected_after_appended(before, view.positions, view.valid, update, first)
+    store.add_to_appended("acc", update)
+    after = store.dense()
+    assert torch.equal(after.positions, view.positions)
+    if after.valid is not None:
+        assert torch.equal(after.extras["acc"][after.valid], expected[after.valid])
+    else:
+        assert torch.equal(after.extras["acc"], expected)
+
+
+def test_add_to_appended_refuses_after_a_layout_change():
+    store = make_store()
+    keys, values = kv(4, seed=23)
+    store.append(keys, values, 0, None)
+    store.ensure_extra("acc")
+    store.keep(torch.tensor([[0, 1]] * (B * H)), torch.full((B * H,), 2))
+    with pytest.raises(RuntimeError, match="changed since its last append"):
+        store.add_to_appended("acc", torch.zeros(B, H, 4))

@@ -61,6 +61,7 @@ class StoreAppend(StoreLayout):
         for name, t in self.extras.items():
             t.view(b, h, cap, *t.shape[1:])[:, :, length : length + q].fill_(self.side_specs[name].fill)
         self._uniform = (length + q, cap)
+        self._appended = (length, q)
         if self.hooks:
             for hook in self.hooks:
                 hook.after_append(self, None, q)
@@ -102,6 +103,7 @@ class StoreAppend(StoreLayout):
             valid = valid.scatter(1, col, True)
             self._gather_cache = (index, valid, int(self._max_length) + 1)
         self._next_rows, self._next_cols = dst + 1, self._next_cols + 1
+        self._appended = (dst[:, None], None)
         self._length += 1
         self._max_length += 1
         self._min_slack -= 1
@@ -130,14 +132,17 @@ class StoreAppend(StoreLayout):
         start, length = self.start, self.length
         base = (start + length).to(self.device)
         positions = torch.arange(first_position, first_position + q, device=self.device)
+        valid: torch.Tensor | None = None
         if token_valid is None:
-            dst = (base[:, None] + torch.arange(q, device=self.device)[None, :]).reshape(-1)
+            rows = base[:, None] + torch.arange(q, device=self.device)[None, :]
+            dst = rows.reshape(-1)
             src_keys, src_values = keys.reshape(-1, self.head_dim), values.reshape(-1, self.head_dim)
             src_pos = positions.repeat(segs)
         else:
             valid = token_valid.to(self.device).repeat_interleave(h, dim=0)  # (segments, q)
             rank = valid.long().cumsum(dim=1) - 1
-            dst = (base[:, None] + rank)[valid]
+            rows = (base[:, None] + rank).clamp(min=0)  # padding tokens: some row of the buffer (never written)
+            dst = rows[valid]
             src_keys = keys.reshape(segs, q, self.head_dim)[valid]
             src_values = values.reshape(segs, q, self.head_dim)[valid]
             src_pos = positions[None, :].expand(segs, q)[valid]
@@ -147,8 +152,33 @@ class StoreAppend(StoreLayout):
         for name, t in self.extras.items():
             t.index_fill_(0, dst, self.side_specs[name].fill)
         self._set_ragged(self.start, length + counts, self.capacity)
+        self._appended = (rows, valid)
         for hook in self.hooks:
             hook.after_append(self, dst, q)
+
+    def add_to_appended(self, name: str, values: torch.Tensor) -> None:
+        """Add ``values`` ``(batch, heads, q)`` (one per token of the last append, padding tokens ignored) into
+        side data ``name`` of the entries that append wrote: a decoding step touches one row per segment instead
+        of the whole dense view (:meth:`add_dense`). Only between an append and the next layout change."""
+        record = self._appended
+        if record is None:
+            raise RuntimeError("add_to_appended: the store changed since its last append (or nothing was appended)")
+        target = self.extras[name]
+        self._dense_cache = None
+        values = values.to(device=target.device, dtype=target.dtype)
+        first, q = record
+        if isinstance(first, int):  # a uniform append: slots [first, first + q) of every segment
+            assert isinstance(q, int) and self._uniform is not None
+            cap = self._uniform[1]
+            target.view(self.batch, self.heads, cap, *target.shape[1:])[:, :, first : first + q] += values
+            return
+        rows, valid = record[0], record[1]
+        assert isinstance(rows, torch.Tensor)
+        flat = values.reshape(rows.shape + target.shape[1:])
+        if valid is not None:  # padding tokens add zero (no boolean indexing: a host read on a GPU)
+            mask = valid.view(*valid.shape, *([1] * (flat.dim() - 2)))
+            flat = torch.where(mask, flat, torch.zeros((), dtype=target.dtype, device=target.device))
+        target.index_add_(0, rows.reshape(-1), flat.reshape(-1, *target.shape[1:]))
 
     def _relayout(self, capacity: torch.Tensor) -> None:
         """Move every segment into fresh buffers with the given per-segment capacity."""

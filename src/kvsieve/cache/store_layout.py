@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvsieve.cache.dense_view import DenseView
+from kvsieve.cache.length_groups import LengthGroup, plan_groups
 
 
 class StoreLayout:
@@ -45,6 +46,11 @@ class StoreLayout:
         self._next_rows: torch.Tensor | None = None
         #: Per segment, the slot a decoding step writes next, on the entries' device (no host copy per step).
         self._next_cols: torch.Tensor | None = None
+        #: Where the last append wrote (see :meth:`~kvsieve.cache.store_append.StoreAppend.add_to_appended`):
+        #: ``(first slot, q)`` of a uniform append, or flat rows ``(segments, q)`` with their validity.
+        self._appended: tuple[int, int] | tuple[torch.Tensor, torch.Tensor | None] | None = None
+        #: The length groups of the current ragged layout and the longest segment when they were planned.
+        self._groups: tuple[list[LengthGroup] | None, int] | None = None
 
     # ------------------------------------------------------------------ layout bookkeeping
     @property
@@ -85,6 +91,8 @@ class StoreLayout:
         self._dense_cache = None
         self._gather_cache = None
         self._next_rows = self._next_cols = None
+        self._appended = None
+        self._groups = None
         segs = self.segments
         if segs == 0:
             self._uniform = (0, 0)
@@ -140,6 +148,24 @@ class StoreLayout:
             index = index.clamp(max=max(self.keys.shape[0] - 1, 0))
             self._gather_cache = (index.to(self.device), valid.to(self.device), max_len)
         return self._gather_cache
+
+    def length_groups(self) -> list[tuple[LengthGroup, int]] | None:
+        """The segments in length groups with each group's padded width now (:mod:`kvsieve.cache.length_groups`),
+        or None when one padded view is as good (uniform layouts included). Planned once per layout: decoding
+        appends grow every segment by one, so each width grows with the longest segment."""
+        if self._uniform is not None:
+            return None
+        if self._groups is None:
+            runs = plan_groups(self._length)
+            groups = None if runs is None else [
+                LengthGroup(members, members.to(self.device), longest, equal) for members, longest, equal in runs
+            ]
+            self._groups = (groups, self._max_length)
+        groups, planned_max = self._groups
+        if groups is None:
+            return None
+        grown = self._max_length - planned_max
+        return [(group, group.longest + grown) for group in groups]
 
     def dense(self) -> DenseView:
         """Padded view ``(batch, heads, L, ...)`` of all entries; ``valid`` is None if nothing is padded."""

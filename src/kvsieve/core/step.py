@@ -37,6 +37,15 @@ STATISTICS = (WINDOW_ROWS, WINDOW_OUTPUTS, COLUMN_SUMS, COLUMN_MAXIMA, OUTPUT_PR
 MERGE_COUNT = "merge_count"
 
 
+@dataclass(frozen=True)
+class AppendedUpdate:
+    """A side-data update for the forward's new entries only: ``values`` ``(batch, kv_heads, q)``, one per new
+    token (padding tokens ignored), added where the store wrote them — at a decoding step one row per head,
+    where a dense ``(batch, kv_heads, L)`` update would touch every held entry."""
+
+    values: torch.Tensor
+
+
 @dataclass
 class LayerStep:
     """One forward (or one block of it) of one layer, after the new entries were appended to the store.

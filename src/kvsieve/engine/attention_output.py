@@ -4,7 +4,8 @@
   transformers), or the model's eager form when SDPA cannot express it (soft-capping, sinks).
 * Otherwise, over the held entries with visibility from stored positions and the merge-count bias:
   EMS's centres expanded to the positions they stand for, a selector's subset at decoding (row by row,
-  :mod:`kvsieve.engine.row_groups`), or every held entry.
+  :mod:`kvsieve.engine.row_groups`), or every held entry (at decoding, heads of very different lengths
+  by length group, :mod:`kvsieve.engine.grouped_decode`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvsieve.attention.masks import dense_causal_mask
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.core.selection import Selection
 from kvsieve.core.step import LayerStep
+from kvsieve.engine.grouped_decode import grouped_decode_output
 from kvsieve.engine.layer_call import LayerCall
 from kvsieve.engine.row_groups import select_by_row
 from kvsieve.policies.policy import Policy
@@ -78,6 +80,10 @@ def all_entries_output(
     defaults to the step's dense view (attention does not depend on the order of the entries, so a tiered
     store passes its cheaper unordered :meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`)."""
     if view is None:
+        if step.is_decoding and sliding_window is None and bias is None and not (step.form and step.form.explicit):
+            groups = step.store.length_groups()  # ragged heads of very different lengths: group by length
+            if groups is not None:
+                return grouped_decode_output(step, groups)
         view = step.view
     if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
         return attend(module, step.query, view.keys, view.values, None, step.form)

@@ -30,7 +30,7 @@ import torch
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, LayerStep
+from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, AppendedUpdate, LayerStep
 from kvsieve.engine.attention_output import first_prompt_output, held_output
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
@@ -285,7 +285,10 @@ class Engine:
             assert scorer is not None
             updates = scorer.observe(step)
             for name, values in updates.items():
-                step.store.add_dense(name, values)
+                if isinstance(values, AppendedUpdate):
+                    step.store.add_to_appended(name, values.values)
+                else:
+                    step.store.add_dense(name, values)
         probe = self.probe
         if probe is not None:
             step.store.keep_positions_before(probe.context_seen)  # the probe's own tokens are not kept

@@ -18,7 +18,7 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import Part, PolicyConfigError
-from kvsieve.core.step import LayerStep
+from kvsieve.core.step import AppendedUpdate, LayerStep
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -89,8 +89,9 @@ class Scorer(Part):
                 f"allowed window range is [0, {spec.budget}]"
             )
 
-    def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
-        """Additive updates ``{side name: (batch, kv_heads, L, ...)}`` after every forward (default: none)."""
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate]:
+        """Additive updates after every forward (default: none): ``{side name: (batch, kv_heads, L, ...)}`` over
+        the dense view, or an :class:`~kvsieve.core.step.AppendedUpdate` for the forward's new entries only."""
         return {}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import PolicyConfigError, require_choice, require_int
 from kvsieve.core.preset import Preset
-from kvsieve.core.step import LAYER_INPUTS, LayerStep
+from kvsieve.core.step import LAYER_INPUTS, AppendedUpdate, LayerStep
 from kvsieve.parts.allocators.global_budget import GlobalBudget
 from kvsieve.parts.schedules import Decode
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
@@ -106,19 +106,14 @@ class RetentionGate(Scorer):
             raise RuntimeError(f"{self.name}: gates are not loaded; build the cache with KVCache(model, ...)")
         return loaded
 
-    def observe(self, step: LayerStep) -> dict[str, torch.Tensor]:
-        """``log β`` of this forward's new entries (zeros elsewhere: an additive side-data update)."""
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate]:
+        """``log β`` of this forward's new entries, written where the store put them (the held entries' are
+        unchanged: a decoding step touches one row per head)."""
         with torch.no_grad():
             new = self._gates().log_beta(step.layer_idx, step.inputs())  # (batch, kv_heads, q)
         if new.shape[1] != step.kv_heads:  # expand_gqa: one store head per query head
             new = new.repeat_interleave(step.kv_heads // new.shape[1], dim=1)
-        view = step.view
-        offset = view.positions - step.first_position
-        is_new = offset >= 0
-        if view.valid is not None:
-            is_new = is_new & view.valid
-        gathered = new.to(view.positions.device).gather(-1, offset.clamp(0, new.shape[-1] - 1))
-        return {LOG_BETA: torch.where(is_new, gathered, torch.zeros((), device=gathered.device))}
+        return {LOG_BETA: AppendedUpdate(new)}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         view = step.view

@@ -1,0 +1,46 @@
+"""A decoding step over a ragged layer, attended group by group of similar head lengths.
+
+When one padded view would be mostly padding (:mod:`kvsieve.cache.length_groups`: DuoAttention's whole
+retrieval heads next to short streaming heads, a global budget's long and short heads), each group of
+segments is gathered to its own width and attended on its own: every segment becomes one batch item whose
+``groups`` query heads are the query rows of one attention call (a single decoding query per head, so the
+rows are independent), and the outputs are put back in head order. The result is the attention of each
+query head over its KV head's held entries, as the padded view gives it, computed over less padding; a
+group that is a single segment reads its entries in place (no gather).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.cache.length_groups import LengthGroup
+from kvsieve.core.step import LayerStep
+
+
+def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]) -> torch.Tensor:
+    """Attention output ``(batch, 1, q_heads, d)`` of a decoding query over every held entry, by length group."""
+    store, query = step.store, step.query
+    batch, q_heads, _, dim = query.shape
+    per_head = q_heads // store.heads  # query heads per stored head
+    queries = query.reshape(store.segments, per_head, dim)
+    output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
+    index, valid, _ = store.gather_index()
+    scaling = step.form.scaling if step.form is not None else step.scaling
+    for group, width in groups:
+        members = group.device_segments
+        count = group.segments.numel()
+        if count == 1:  # one segment: its entries are contiguous rows of the buffers
+            start = int(store.start[int(group.segments[0])])
+            keys = store.keys[start : start + width].view(1, 1, width, dim)
+            values = store.values[start : start + width].view(1, 1, width, dim)
+            mask = None
+        else:
+            rows = index.index_select(0, members)[:, :width].reshape(-1)
+            keys = store.keys.index_select(0, rows).view(count, 1, width, dim)
+            values = store.values.index_select(0, rows).view(count, 1, width, dim)
+            mask = None if group.equal else valid.index_select(0, members)[:, None, None, :width]
+        group_query = queries.index_select(0, members).view(count, 1, per_head, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(group_query, keys, values, attn_mask=mask,
+                                                               scale=scaling)
+        output.index_copy_(0, members, out.view(count, per_head, dim))
+    return output.view(batch, 1, q_heads, dim)

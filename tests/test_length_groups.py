@@ -1,0 +1,114 @@
+"""Decoding over ragged heads by length group: the plan, and the same attention as the padded view."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from helpers import prompt, random_pattern
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvsieve
+from kvsieve.cache import length_groups
+from kvsieve.cache.length_groups import MAX_GROUPS, MIN_SAVING, plan_groups
+from kvsieve.cache.store import LayerStore
+from kvsieve.core.step import LayerStep
+from kvsieve.engine.attention_output import all_entries_output
+from kvsieve.engine.grouped_decode import grouped_decode_output
+from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
+from kvsieve.transformers_adapter import cache_kwargs
+
+
+def test_a_long_head_among_short_ones_is_its_own_group():
+    runs = plan_groups(torch.tensor([37, 4096, 37, 40, 4096, 36]))
+    assert runs is not None
+    members = [sorted(r[0].tolist()) for r in runs]
+    assert members == [[0, 2, 3, 5], [1, 4]]
+    assert [r[1] for r in runs] == [40, 4096] and [r[2] for r in runs] == [False, True]
+
+
+def test_similar_lengths_keep_one_padded_view():
+    assert plan_groups(torch.tensor([128, 130, 125, 129])) is None
+    assert plan_groups(torch.tensor([3000, 2000])) is None  # a saving below one more call's cost
+    assert plan_groups(torch.tensor([7])) is None
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 6000), min_size=2, max_size=24))
+def test_plan_covers_every_segment_once_and_saves_padding(lengths):
+    runs = plan_groups(torch.tensor(lengths))
+    if runs is None:
+        return
+    assert 2 <= len(runs) <= MAX_GROUPS
+    seen = torch.cat([members for members, _, _ in runs]).tolist()
+    assert sorted(seen) == list(range(len(lengths)))
+    padded = 0
+    for members, longest, equal in runs:
+        own = [lengths[i] for i in members.tolist()]
+        assert longest == max(own) and equal == (min(own) == max(own))
+        padded += len(own) * longest
+    assert padded <= (1 - MIN_SAVING) * len(lengths) * max(lengths)
+
+
+def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[int], seed: int = 0) -> LayerStep:
+    """A decoding step of a store whose segments hold ``lengths`` entries (then one more, appended in place)."""
+    dim = 8
+    generator = torch.Generator().manual_seed(seed)
+    total = max(lengths)
+    store = LayerStore(batch, kv_heads, dim, torch.float32, torch.device("cpu"))
+    store.append(torch.randn(batch, kv_heads, total, dim, generator=generator),
+                 torch.randn(batch, kv_heads, total, dim, generator=generator), 0, None)
+    local = torch.zeros(batch * kv_heads, total, dtype=torch.long)
+    for s, n in enumerate(lengths):  # keep a spread of positions, not just a prefix
+        local[s, :n] = torch.linspace(0, total - 1, n).round().long() if n > 1 else torch.tensor([total - 1])
+    store.keep(local, torch.tensor(lengths))
+    for position in (total, total + 1):  # the second step is written in place (the decoding path)
+        store.append(torch.randn(batch, kv_heads, 1, dim, generator=generator),
+                     torch.randn(batch, kv_heads, 1, dim, generator=generator), position, None)
+    query = torch.randn(batch, kv_heads * groups, 1, dim, generator=generator)
+    info = ModelInfo(ArchitectureSpec(), 1, kv_heads * groups, kv_heads, dim, (None,))
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    return LayerStep(module=module, layer_idx=0, info=info, query=query, first_position=total + 1,
+                     query_valid=None, store=store, scaling=dim**-0.5)
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "groups", "lengths"), [
+    (1, 3, 3, [300, 5, 6]),
+    (2, 2, 2, [5, 400, 400, 7]),
+    (2, 3, 1, [50, 1, 900, 900, 3, 60]),
+])
+def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, groups, lengths):
+    monkeypatch.setattr(length_groups, "CALL_COST", 1)
+    step = ragged_decoding_step(batch, kv_heads, groups, lengths)
+    planned = step.store.length_groups()
+    assert planned is not None and len(planned) >= 2
+    grouped = grouped_decode_output(step, planned)
+    padded = all_entries_output(step, step.module, None, None, step.view)  # the padded view, explicitly
+    torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
+    assert torch.equal(all_entries_output(step, step.module, None, None), grouped)  # the engine's choice
+
+
+def test_duo_attention_decodes_the_same_with_and_without_length_groups(monkeypatch):
+    model = build_model("llama")
+    pattern = random_pattern(model, seed=4)
+    ids = prompt(2, 48, seed=7)
+    outputs = []
+    for cost in (1, 10**9):  # grouped on every layer with a long and a short head / never
+        monkeypatch.setattr(length_groups, "CALL_COST", cost)
+        cache = kvsieve.KVCache(model, "duo_attention", budget=10, sinks=2, pattern=pattern, schedule="decode")
+        logits = []
+        with torch.inference_mode():
+            out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(6):
+                out = model(token, **cache_kwargs(model, cache), use_cache=True)
+                logits.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        grouped_layers = sum(layer.store.length_groups() is not None for layer in cache.layers
+                             if layer.store is not None)
+        outputs.append((torch.stack(logits), grouped_layers))
+    (grouped, used), (padded, unused) = outputs
+    assert used > 0 and unused == 0
+    torch.testing.assert_close(grouped, padded, atol=1e-5, rtol=1e-5)
