@@ -22,6 +22,7 @@ from kvsieve.eval.tasks import get_task
 from kvsieve.eval.tasks.text import CALIBRATION_SEEDS, HELDOUT_SEEDS, essay_pool, split_of
 from kvsieve.models.default_tokenizer import load_default_tokenizer
 from kvsieve.models.haystack import load_essay_texts
+from kvsieve.policies.catalog import presets
 from kvsieve.policies.preset_file import read_preset_file, write_preset_file
 from kvsieve.tune.calibration import CALIBRATION_TASKS, CalibrationSet, groups_for
 from kvsieve.tune.cli import parse_duration
@@ -269,3 +270,12 @@ def test_time_limit_and_byte_budget(tmp_path: Path) -> None:
     out = tmp_path / "timed"
     assert main([*ARGS, "--time-limit", "0.001", "--output-dir", str(out)]) == 0
     assert len([t for t in _trials(out) if t[0] in ("COMPLETE", "PRUNED")]) == 2  # one batch, then time is up
+
+
+def test_the_shipped_tuned_preset_is_the_searched_composition():
+    """``tuned_smollm2_64`` (kvsieve/parts/tuned.py) is the held-out winner's preset file, parameter for parameter."""
+    named = kvsieve.make_policy("tuned_smollm2_64", budget=64)
+    searched = kvsieve.make_policy(str(Path(__file__).parents[1] / "docs/results/tune/tuned_b64.json"))
+    for kind in ("scorer", "allocator", "action", "selector", "schedule", "budget"):
+        assert getattr(named, kind) == getattr(searched, kind), kind
+    assert "tuned_smollm2_64" in presets()
