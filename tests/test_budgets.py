@@ -78,6 +78,42 @@ def test_decode_schedule_respects_budget_every_step(arch, model, policy, buffer)
     assert cache.get_seq_length() == PROMPT_LEN + 12
 
 
+@pytest.mark.parametrize("policy", ["h2o", "dbtrimkv"])
+@pytest.mark.parametrize("buffer", [0, 3])
+def test_decoding_compactions_leave_room_for_the_next_appends(model, policy, buffer, monkeypatch):
+    """A compaction at a decoding step leaves ``buffer + 1`` free rows per head: the appends until the next one
+    are written in place (no segment moves after the first step), and a head holds no more room than it fills."""
+    from helpers import with_test_gates
+
+    from kvsieve.cache.store_append import StoreAppend
+
+    params = with_test_gates(model, policy, {"budget": BUDGET, "schedule": "decode", "buffer": buffer})
+    cache = kvsieve.KVCache(model, policy, **params)
+    moves_per_step: list[int] = []
+    for name in ("_relayout", "_grow_uniform"):  # a ragged and a uniform store moving its segments
+        original = getattr(StoreAppend, name)
+
+        def counted(store, capacity, original=original):  # type: ignore[no-untyped-def]
+            moves_per_step[-1] += 1
+            return original(store, capacity)
+
+        monkeypatch.setattr(StoreAppend, name, counted)
+    compactions_at_prompt = []
+
+    def check(step: int) -> None:
+        if step == 0:
+            compactions_at_prompt.append(cache.compactions)
+        if step >= 1 + buffer and policy == "h2o":  # a decoding compaction happened: room for buffer + 1 only
+            for layer in managed_layers(cache):
+                assert int(cache.layers[layer].store.capacity.max()) <= BUDGET + buffer + 1
+        moves_per_step.append(0)
+
+    moves_per_step.append(0)
+    decode_loop(model, cache, prompt(batch=2, length=PROMPT_LEN, seed=24), steps=12, after_step=check)
+    assert cache.compactions > 2 * len(managed_layers(cache))  # the prompt's and several decoding compactions
+    assert sum(moves_per_step[2:]) == 0, moves_per_step  # only the first decoding step moved segments
+
+
 @pytest.mark.parametrize("policy", ["h2o", "tova", "streaming_llm"])
 def test_decode_schedule_evicts_even_when_prompt_fits(model, policy):
     """A short prompt is kept whole; eviction starts once decoding passes budget + buffer."""

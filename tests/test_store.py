@@ -315,3 +315,40 @@ def test_add_to_appended_refuses_after_a_layout_change():
     store.keep(torch.tensor([[0, 1]] * (B * H)), torch.full((B * H,), 2))
     with pytest.raises(RuntimeError, match="changed since its last append"):
         store.add_to_appended("acc", torch.zeros(B, H, 4))
+
+
+def same_entries(a: LayerStore, b: LayerStore) -> bool:
+    """Both stores hold the same entries (keys, values, positions, side data) per segment."""
+    if not torch.equal(a.lengths(), b.lengths()):
+        return False
+    view_a, view_b = a.dense(), b.dense()
+    valid = view_a.valid if view_a.valid is not None else torch.ones(view_a.positions.shape, dtype=torch.bool)
+    pairs = [(getattr(view_a, n), getattr(view_b, n)) for n in ("keys", "values", "positions")]
+    pairs += [(view_a.extras[n], view_b.extras[n]) for n in view_a.extras]
+    return all(torch.equal(x[valid], y[valid]) for x, y in pairs)
+
+
+@pytest.mark.parametrize("counts", [[2, 2, 2, 2, 2, 2], [3, 1, 0, 2, 3, 1]])
+def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(counts):
+    plain, reserved = make_store(), make_store()
+    keys, values = kv(4, seed=31)
+    local = torch.tensor([[0, 1, 3]] * (B * H))
+    for store in (plain, reserved):
+        store.append(keys, values, 0, None)
+        store.ensure_extra("acc")
+        store.add_dense("acc", torch.rand(B, H, 4, generator=torch.Generator().manual_seed(3)))
+    plain.keep(local, torch.tensor(counts))
+    with reserved.reserving(3):
+        reserved.keep(local, torch.tensor(counts))
+    assert reserved._reserve == 0  # only inside the block
+    assert torch.equal(reserved.capacity, torch.tensor(counts) + 3)
+    assert same_entries(plain, reserved)
+    buffer = reserved.keys
+    for step in range(3):  # three decoding appends fit in the reserved rows: written in place
+        new_keys, new_values = kv(1, seed=40 + step)
+        plain.append(new_keys, new_values, 4 + step, None)
+        reserved.append(new_keys, new_values, 4 + step, None)
+        assert reserved.keys is buffer
+        assert same_entries(plain, reserved)
+    reserved.append(*kv(1, seed=50), 7, None)  # the fourth does not fit
+    assert reserved.keys is not buffer

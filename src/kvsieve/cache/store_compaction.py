@@ -1,9 +1,12 @@
 """Compacting a layer store: keep chosen entries per segment, select batch rows, drop by position, and
-edit entries in place (merges, side-data updates). Capacity shrinks to exactly what is kept."""
+edit entries in place (merges, side-data updates). Capacity shrinks to exactly what is kept, plus the rows
+:meth:`StoreCompaction.reserving` asks for (a compaction while decoding leaves room for the appends until
+the next one, so they are written in place instead of moving every segment again)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -16,28 +19,49 @@ class StoreCompaction(StoreLayout):
 
     written_sides: set[str]
     hooks: list[StoreHook]
+    #: Free rows each segment keeps after a :meth:`keep` (set by :meth:`reserving`).
+    _reserve: int = 0
+
+    @contextmanager
+    def reserving(self, rows: int) -> Iterator[None]:
+        """Within the block, every :meth:`keep` leaves ``rows`` free rows at the end of each segment."""
+        previous, self._reserve = self._reserve, max(0, int(rows))
+        try:
+            yield
+        finally:
+            self._reserve = previous
 
     def keep(self, local_index: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Keep, per segment ``s``, the entries ``local_index[s, :counts[s]]`` (ascending) and free the rest.
 
         ``local_index`` is ``(segments, K)`` of indices into each segment; the kept entries are exact
-        copies of the originals, in their original order. Capacity shrinks to exactly what is kept.
-        Returns the flat source rows that were kept (before the move), for callers that merge.
+        copies of the originals, in their original order. Capacity shrinks to exactly what is kept (plus
+        the :meth:`reserving` rows). Returns the flat source rows that were kept (before the move), for
+        callers that merge.
         """
         counts = counts.to(torch.long).cpu().reshape(-1)
         width = local_index.shape[1]
         mask = torch.arange(width)[None, :] < counts[:, None]
         src = (self.start[:, None].to(local_index.device) + local_index)[mask.to(local_index.device)]
-        new_start = torch.cumsum(counts, 0) - counts
         total = int(counts.sum())
         src = src.to(self.device)
+        capacity = counts + self._reserve
+        new_start = torch.cumsum(capacity, 0) - capacity
+        rows = src
+        if self._reserve and total:
+            # one gather fills each segment's kept rows and, past them, repeats its last one (free rows)
+            kept_start = torch.cumsum(counts, 0) - counts
+            offs = torch.arange(int(capacity.max()))
+            within = offs[None, :] < capacity[:, None]
+            pick = (kept_start[:, None] + torch.minimum(offs[None, :], (counts - 1).clamp(min=0)[:, None]))[within]
+            rows = src.index_select(0, pick.clamp(max=total - 1).to(self.device))
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, src) if total else t[:0].clone()
+            return t.index_select(0, rows) if total else t[:0].clone()
 
         self.keys, self.values, self.positions = take(self.keys), take(self.values), take(self.positions)
         self.extras = {name: take(t) for name, t in self.extras.items()}
-        self._set_ragged(new_start, counts, counts.clone())
+        self._set_ragged(new_start, counts, capacity if total else counts.clone())
         for hook in self.hooks:
             hook.after_layout(self)
         return src

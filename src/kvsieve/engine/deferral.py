@@ -46,9 +46,11 @@ class Deferral:
         """Hold a layer's plan (None: nothing to compact) and trim until the prompt ends or continues."""
         self._waiting[layer_idx] = _Deferred(store, plan, trim_below)
 
-    def act(self, store: LayerStore, plan: Plan) -> None:
-        """Execute a plan on a store now."""
-        self.policy.action.apply(store, plan)
+    def act(self, store: LayerStore, plan: Plan, decoding: bool = False) -> None:
+        """Execute a plan on a store now; at a decoding step each head keeps room for the appends until the
+        schedule fires again (:meth:`~kvsieve.parts.schedules.Schedule.decoding_reserve`)."""
+        with store.reserving(self.policy.schedule.decoding_reserve() if decoding else 0):
+            self.policy.action.apply(store, plan)
         self.compactions += 1
 
     def settle(self, layer_idx: int, continuation: bool) -> None:

@@ -305,7 +305,9 @@ class Engine:
         deferred = self._plan(call, step) if managed else False
         if sliding_window is not None and not deferred:
             # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
-            step.store.keep_positions_after(layer.seen - sliding_window + 1)
+            # a decoding step drops one entry per head; the next one's append then fits in place
+            with step.store.reserving(1 if step.is_decoding else 0):
+                step.store.keep_positions_after(layer.seen - sliding_window + 1)
 
     def _plan(self, call: LayerCall, step: LayerStep) -> bool:
         """Plan this managed layer (now, or for all layers after the last one under a global allocator) and
@@ -321,6 +323,6 @@ class Engine:
             self._deferral.wait(layer_idx, step.store, plan, trim)
             deferred = True
         elif plan is not None:
-            self._deferral.act(step.store, plan)
+            self._deferral.act(step.store, plan, step.is_decoding)
         self._warning.note_forward(layer_idx, step.is_decoding, plan is not None, layer.seen)
         return deferred

@@ -124,8 +124,9 @@ class GlobalPlans:
                 self._deferral.wait(item.layer.layer_idx, item.step.store, plan, trim)
                 continue
             if plan is not None:
-                self._deferral.act(item.step.store, plan)
+                self._deferral.act(item.step.store, plan, item.step.is_decoding)
             if trim is not None:
-                item.step.store.keep_positions_after(trim)
+                with item.step.store.reserving(1 if item.step.is_decoding else 0):
+                    item.step.store.keep_positions_after(trim)
         if pending and not pending[-1].step.is_decoding:
             self._warning.warn_if_noop(compressed, pending[-1].layer.seen)

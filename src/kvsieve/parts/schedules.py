@@ -50,6 +50,11 @@ class Schedule(Part):
         holds more than this compact (None: every row). The same rule as :meth:`fires`, per row."""
         return None
 
+    def decoding_reserve(self) -> int:
+        """Free rows a compaction at a decoding step leaves per head: the appends until the schedule fires
+        again, so they are written in place (no more than the head will hold by then)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class Prefill(Schedule):
@@ -77,6 +82,9 @@ class Decode(Schedule):
         if not decoding:
             return True
         return budget is not None and max_length > budget + self.buffer
+
+    def decoding_reserve(self) -> int:
+        return self.buffer + 1
 
     def fires_total(self, decoding: bool, total: int, total_budget: int | None, heads: int) -> bool:
         if not decoding:

@@ -72,7 +72,7 @@ class EvictThenMergePos(EvictThenMerge):
         super().apply(store, plan)
         width = plan.keep.shape[1]
         valid = torch.arange(width)[None, :] < plan.counts[:, None]
-        new_start = torch.cumsum(plan.counts, 0) - plan.counts
+        new_start = store.start  # where each segment's kept entries now begin
         rows = (new_start[:, None] + torch.arange(width)[None, :])[valid].to(store.device)
         store.write_rows(rows, extras={POSITION_TABLE: tables[valid.to(tables.device)]})
 

@@ -62,7 +62,7 @@ class Merge(Action):
             return
         merged = merge_kept(store, plan)  # reads the receiving entries before the compaction moves them
         store.keep(plan.keep, plan.counts)
-        new_start = (torch.cumsum(plan.counts, 0) - plan.counts).to(store.device)
+        new_start = store.start.to(store.device)  # where each segment's kept entries now begin
         rows = new_start[merged.segments] + merged.ranks
         store.write_rows(rows, merged.keys, merged.values, {MERGE_COUNT: merged.counts})
 
