@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvsieve.cache.dense_view import DenseView
-from kvsieve.cache.length_groups import LengthGroup, plan_groups
+from kvsieve.cache.length_groups import LengthGroup, call_cost, plan_groups
 
 
 class StoreLayout:
@@ -156,7 +156,7 @@ class StoreLayout:
         if self._uniform is not None:
             return None
         if self._groups is None:
-            runs = plan_groups(self._length)
+            runs = plan_groups(self._length, call_cost(self.device))
             groups = None if runs is None else [
                 LengthGroup(members, members.to(self.device), longest, equal) for members, longest, equal in runs
             ]

@@ -45,7 +45,6 @@ def held_output(
     module, sliding_window, left_alone = call.module, call.sliding_window, call.layer.left_alone
     if step.store.tiered:  # quantized entries (no side data, no selector: the policy refuses both)
         return all_entries_output(step, module, sliding_window, None, step.store.attention_view())
-    view = step.view
     bias = step.bias()
     expanded = None if left_alone else policy.action.expanded(step)
     if expanded is not None:  # EMS w. pos: centres expanded to the positions they stand for
@@ -57,6 +56,7 @@ def held_output(
     if selector is not None and step.is_decoding and not left_alone:
         subset = select_by_row(selector, step, row_configs)
         if subset is not None:
+            view = step.view
             blend = None
             if isinstance(subset, Selection):  # SparQ: the subset's output mixed with a fallback
                 subset, blend = subset.indices, (subset.weight, subset.fallback)

@@ -117,8 +117,8 @@ class RetentionGates(torch.nn.Module):
 
     def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Gate pre-activations ``z`` ``(batch, kv_heads, tokens)`` from ``hidden`` ``(batch, tokens, d)``."""
-        x = hidden.to(self.w_in.dtype)
-        inner = torch.nn.functional.silu(torch.einsum("btd,hdr->bhtr", x, self.w_in[layer]) + self.b_in[layer, :, None])
+        x = hidden.to(self.w_in.dtype).unsqueeze(1)  # (batch, 1, tokens, d) @ (heads, d, r): one batched matmul
+        inner = torch.nn.functional.silu(torch.matmul(x, self.w_in[layer]) + self.b_in[layer, :, None])
         if self.config.tied:
             return inner @ self.w_out + self.b_out
         return (inner @ self.w_out[layer].unsqueeze(-1)).squeeze(-1) + self.b_out[layer, :, None]
