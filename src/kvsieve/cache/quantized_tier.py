@@ -68,6 +68,15 @@ class QuantizedTier:
         return sum(t.numel() * t.element_size()
                    for t in (self.key_codes, self.value_codes, self.key_params, self.value_params))
 
+    def group_nbytes(self) -> int:
+        """Key and value bytes one group holds: packed codes, steps and minimums (whatever its live entries)."""
+        return sum(t[0].numel() * t.element_size() if t.shape[0] else _row_numel(t) * t.element_size()
+                   for t in (self.key_codes, self.value_codes, self.key_params, self.value_params))
+
+    def segment_kv_nbytes(self) -> torch.Tensor:
+        """Key and value bytes held per segment ``(segments,)`` (host): its groups × :meth:`group_nbytes`."""
+        return self.groups_per_segment * self.group_nbytes()
+
     def nbytes(self) -> int:
         """All bytes held, positions and slot validity included."""
         return self.kv_nbytes() + self.positions.numel() * 8 + self.valid.numel()
@@ -257,3 +266,11 @@ class QuantizedTier:
 
 
 _BUFFERS = ("key_codes", "value_codes", "key_params", "value_params", "positions", "valid")
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    """Elements of one row (group) of a buffer ``(groups, ...)``, also when it holds no group."""
+    count = 1
+    for size in t.shape[1:]:
+        count *= size
+    return count

@@ -58,6 +58,17 @@ class StoreTiers(StoreCompaction):
     def kv_nbytes(self) -> int:
         return super().kv_nbytes() + sum(tier.kv_nbytes() for tier in self.tiers)
 
+    def max_full_entry_units(self) -> int:
+        """The most key/value bytes any head holds, in full-precision entries (rounded up): full-precision
+        entries plus its quantized groups' bytes — what a byte budget in full entries is compared with."""
+        if not self.tiered:
+            return self.max_length
+        units = self.length.double()
+        per_full_entry = 2 * self.head_dim * self.keys.element_size()
+        for tier in self.tiers:
+            units = units + tier.segment_kv_nbytes().double() / per_full_entry
+        return int(torch.ceil(units.max()).item()) if units.numel() else 0
+
     def used_nbytes(self) -> int:
         return super().used_nbytes() + sum(tier.nbytes() for tier in self.tiers)
 
@@ -148,6 +159,17 @@ class StoreTiers(StoreCompaction):
         self.dense()
         assert self._combined is not None
         return self._combined[2], self._combined[3]
+
+    def origins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each slot of :meth:`dense` lives, ``(batch, heads, L)`` each: its tier (0: the model dtype,
+        ``t ≥ 1``: ``self.tiers[t - 1]``) and its slot in that tier's own view (a quantized entry's group is
+        ``slot // group``); without tier entries, tier 0 and the slot itself."""
+        if self.tiered:
+            return self._origins()
+        view = self.dense()
+        shape = view.keys.shape[:3]
+        slots = torch.arange(shape[2], device=self.device).expand(shape)
+        return torch.zeros(shape, dtype=torch.long, device=self.device), slots
 
     # ------------------------------------------------------------------ compaction across tiers
     def keep(self, local_index: torch.Tensor, counts: torch.Tensor, tiers: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,7 +32,10 @@ class LayerPlans:
 
     def fires(self, layer_idx: int, step: LayerStep) -> bool:
         """Whether the schedule compacts this layer now."""
-        return self.policy.schedule.fires(step.is_decoding, step.store.max_length, self.layer_budget(layer_idx))
+        held = step.store.max_length
+        if getattr(self.policy.action, "shares", ()):  # mixed precision: the budget is bytes, in full entries
+            held = step.store.max_full_entry_units()
+        return self.policy.schedule.fires(step.is_decoding, held, self.layer_budget(layer_idx))
 
     def nominal(self, layer_idx: int, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries held and the nominal budget per (batch, KV head), both on the entries' device.

@@ -157,14 +157,6 @@ class Policy:
         if self.allocator.scope == "global":
             raise PolicyConfigError(f"{name}: the {self.action.name} action does not work with a global allocator "
                                     "yet")
-        if getattr(self.action, "shares", ()) and self.schedule.name != "prefill":
-            # every compaction quantizes its new low-precision entries into fresh (partly filled) groups and an
-            # evicted quantized entry frees its group only with the group's last entry: compacting at every
-            # block or decoding step piles up half-empty groups, 1.4–2.1× the byte budget (measured)
-            raise PolicyConfigError(
-                f"{name}: schedule {self.schedule.name!r} cannot keep mixed precision (low_share) within its byte "
-                "budget yet (each compaction leaves partly filled quantized groups); use schedule='prefill', or "
-                "low_share=None (KIVI: only whole groups leave the residual)")
 
     def bind(self, model: Any) -> Policy:
         """This policy with its scorer bound to ``model`` (learned scorers load weights; most return themselves)."""

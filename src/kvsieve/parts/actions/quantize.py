@@ -35,6 +35,7 @@ from kvsieve.core.part import PolicyConfigError, require_int, require_number
 from kvsieve.core.plan import Plan
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import LayerStep
+from kvsieve.ops.precision_plan import group_aware_plan
 from kvsieve.ops.quantize import SUPPORTED_BITS, bytes_per_entry
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.schedules import Decode
@@ -118,12 +119,9 @@ class Quantize(Action):
 
     def plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
         lengths = step.lengths()
-        if self.low_share is None:
-            bands, kept = [counts], lengths
-        else:
-            protected = torch.isposinf(scores).sum(dim=-1)
-            bands = self.split(counts, protected, step.store.head_dim, step.store.keys.element_size())
-            kept = torch.minimum(sum(bands[1:], bands[0]), lengths)
+        if self.low_share is not None:
+            return self._mixed_plan(scores, counts, step)
+        bands, kept = [counts], lengths
         width = int(kept.max()) if kept.numel() else 0
         batch, heads, length = scores.shape
         flat = scores.reshape(batch * heads, length)
@@ -132,12 +130,32 @@ class Quantize(Action):
         filler = rank >= kept.reshape(-1, 1)
         tiers = torch.zeros_like(rank).expand(batch * heads, -1).clone()
         edge = torch.zeros_like(counts).reshape(-1, 1)
-        for band in bands[:-1] if self.low_share is not None else bands:
+        for band in bands:
             edge = edge + band.reshape(-1, 1)
             tiers += (rank >= edge).long()
         top = top.masked_fill(filler, length)
         order = torch.sort(top, dim=-1)
         return Plan(order.values, kept.cpu().reshape(-1), tiers=torch.gather(tiers, 1, order.indices))
+
+    def _mixed_plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
+        """The mixed regime, group-aware (:mod:`kvsieve.ops.precision_plan`): the best entries in the model dtype,
+        then per tier the groups its bytes buy — existing groups and new ones compete — and the rest evicted.
+        At every compaction a head holds at most its byte budget, whatever the schedule."""
+        store = step.store
+        protected = torch.isposinf(scores).sum(dim=-1)
+        bands = self.split(counts, protected, store.head_dim, store.keys.element_size())
+        batch, heads, length = scores.shape
+        segments = batch * heads
+        origin, slot = store.origins()
+        keep, target = group_aware_plan(
+            scores.reshape(segments, length), origin.reshape(segments, length), slot.reshape(segments, length),
+            bands[0].reshape(-1), [(band // self.group).reshape(-1) for band in bands[1:]], self.group,
+        )
+        kept = keep.sum(dim=1)
+        order = torch.where(keep, torch.arange(length, device=keep.device)[None, :], length)
+        local = torch.sort(order, dim=1).values[:, : int(kept.max()) if kept.numel() else 0]
+        tiers = torch.gather(target, 1, local.clamp(max=max(length - 1, 0)))
+        return Plan(local, kept.cpu(), tiers=tiers)
 
     def apply(self, store: LayerStore, plan: Plan) -> None:
         if not store.tiers:
