@@ -158,9 +158,11 @@ def test_generate_command_on_a_model_folder(tiny_folder: Path, tmp_path: Path,
                  "--budget", "32", "--max-new-tokens", "3", "Which box holds item 12?", "Name a box."])
     assert code == 0
     out = capsys.readouterr().out
-    assert out.count("=== full |") == 2 and out.count("=== snapkv@32 |") == 2
+    assert out.count("=== full (DynamicCache) |") == 2 and out.count("=== snapkv@32 |") == 2
     table = out[out.index("cache "):]
-    assert "full " in table and "100.0%" in table and "snapkv@32" in table
+    assert "full (DynamicCache)" in table and "100.0%" in table and "snapkv@32" in table and "× full" in table
+    full_row = next(line for line in table.splitlines() if line.startswith("full (DynamicCache)"))
+    assert " 1.00 " in full_row  # the reference's own ratio
     assert main(["generate", "--model", str(tiny_folder), "--context", str(doc), "--policy", "nope", "q"]) == 2
     assert main(["generate", "--model", str(tiny_folder), "--context", str(tmp_path / "missing.txt"), "q"]) == 2
 

@@ -4,8 +4,9 @@
 
 streams the answer, then prints what the compressed cache holds against the full cache (entries and
 MiB), the prefill time and the decoding speed. ``--compare full,snapkv,restkv`` answers with each cache
-in turn from the same context and ends with a side-by-side table. Several questions are each asked from
-the same compressed context (compressed once per cache).
+in turn from the same context and ends with a side-by-side table; ``full`` is plain transformers'
+``DynamicCache`` (labelled so), and each row's decoding speed is also given over it (``× full``). Several
+questions are each asked from the same compressed context (compressed once per cache).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any
 
 from kvsieve.generation.saved_context import FULL
 from kvsieve.models.arguments import add_model_arguments
+
+#: How the uncompressed cache is labelled: plain transformers, the reference every speed is read against.
+FULL_LABEL = "full (DynamicCache)"
 
 
 def _policies(text: str) -> list[str]:
@@ -74,7 +78,7 @@ def _check(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
         name, params = parse_policy_spec(spec, flag)
         if name != FULL:  # raises on unknown names and bad parameters
             policies.append(make_policy(name, budget=args.budget, **params))
-        label = FULL if name == FULL else f"{spec}@{args.budget}"
+        label = FULL_LABEL if name == FULL else f"{spec}@{args.budget}"
         caches.append((label, name, params))
     check_model_args(args)
     check_policies_for_model(args, policies)
@@ -91,17 +95,23 @@ def _summary_line(label: str, stats: Any, answers: list[Any]) -> str:
 
 
 def _table(rows: list[tuple[str, Any, list[Any]]], width: int = 60) -> str:
-    head = f"{'cache':<22} {'entries':>9} {'KV MiB':>8} {'% full':>7} {'prefill s':>9} {'tok/s':>7}  answer"
+    """Side by side; with the full cache among the rows, each row's decoding speed over plain transformers'."""
+    reference = next((answers for label, _, answers in rows if label == FULL_LABEL), None)
+    head = (f"{'cache':<22} {'entries':>9} {'KV MiB':>8} {'% full':>7} {'prefill s':>9} {'tok/s':>7} "
+            f"{'× full':>6}  answer")
     lines = [head, "-" * len(head)]
     for label, stats, answers in rows:
         for i, answer in enumerate(answers):
             text = textwrap.shorten(answer.text.replace("\n", " "), width=width, placeholder="…") or "(empty)"
+            ratio = ""
+            if reference is not None and i < len(reference) and reference[i].tokens_per_s > 0:
+                ratio = f"{answer.tokens_per_s / reference[i].tokens_per_s:.2f}"
             if i == 0:
                 lines.append(f"{label[:22]:<22} {stats.entries_held:>9,} {stats.kv_mib:>8.2f} "
-                             f"{100 * stats.kv_fraction:>6.1f}% {stats.prefill_s:>9.2f} {answer.tokens_per_s:>7.1f}  "
-                             f"{text}")
+                             f"{100 * stats.kv_fraction:>6.1f}% {stats.prefill_s:>9.2f} {answer.tokens_per_s:>7.1f} "
+                             f"{ratio:>6}  {text}")
             else:
-                lines.append(f"{'':<22} {'':>9} {'':>8} {'':>7} {'':>9} {answer.tokens_per_s:>7.1f}  {text}")
+                lines.append(f"{'':<22} {'':>9} {'':>8} {'':>7} {'':>9} {answer.tokens_per_s:>7.1f} {ratio:>6}  {text}")
     return "\n".join(lines)
 
 
