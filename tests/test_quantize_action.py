@@ -138,14 +138,13 @@ def test_budget_bytes_is_a_budget_in_full_entries(model):
 @pytest.mark.parametrize(
     ("params", "mentions"),
     [
-        ({"action": "quantize"}, "side data"),  # h2o keeps an accumulator per entry
         ({"action": "quantize", "bits": 3}, "bits must be one of"),
         ({"action": "quantize", "low_share": 1.5}, "low_share"),
     ],
 )
 def test_bad_combinations_are_refused_before_any_work(model, params, mentions):
     with pytest.raises(kvsieve.PolicyConfigError, match=mentions):
-        kvsieve.KVCache(model, "h2o" if mentions == "side data" else "snapkv", budget=16, **params)
+        kvsieve.KVCache(model, "snapkv", budget=16, **params)
 
 
 def test_value_group_must_divide_the_head_size(model):
@@ -261,3 +260,63 @@ def test_mixed_precision_holds_its_byte_budget_under_every_schedule(model, sched
     decode_loop(model, cache, prompt(batch=2, length=72, seed=5), steps=40, after_step=check)
     assert quantized_while_decoding[-1] > quantized_while_decoding[1]  # decoding quantized new entries too
     assert all(int(layer.store.full_lengths().max()) < budget for layer in cache.layers)
+
+
+def test_scorers_with_side_data_keep_it_for_quantized_entries(model):
+    """H2O's accumulated attention under mixed precision: a quantized entry keeps its accumulator (moved with it)
+    and keeps accumulating while decoding, as an entry in the model dtype does."""
+    from helpers import decode_loop
+
+    from kvsieve.parts.scorers.h2o import ACCUMULATOR
+
+    cache = kvsieve.KVCache(model, "h2o", budget=24, action="quantize", bits=4, low_share=0.5, group=GROUP,
+                            value_group=VALUE_GROUP, schedule="decode", buffer=3)
+    seen: list[dict[tuple[int, int, int], float]] = []
+
+    def check(step: int) -> None:
+        if step == 0:
+            return
+        store = cache.layers[1].store
+        assert store.tiered
+        view = store.dense()
+        valid = view.valid if view.valid is not None else torch.ones(view.positions.shape, dtype=torch.bool)
+        _, _, tier_positions, tier_valid = store.tiers[0].dense()
+        quantized = {(b, h, int(tier_positions[b, h, j])) for b, h, j in tier_valid.nonzero().tolist()}
+        acc = {}
+        for b, h, j in valid.nonzero().tolist():
+            position = int(view.positions[b, h, j])
+            if (b, h, position) in quantized:
+                acc[(b, h, position)] = float(view.extras[ACCUMULATOR][b, h, j])
+        seen.append(acc)
+
+    decode_loop(model, cache, prompt(batch=1, length=64, seed=8), steps=12, after_step=check)
+    grew = [key for key in seen[0] if key in seen[-1] and seen[-1][key] > seen[0][key]]
+    assert seen[0] and all(value > 0 for value in seen[0].values())  # moved with their accumulated attention
+    assert grew  # and accumulating while quantized
+
+
+@pytest.mark.parametrize("policy", ["tova", "dbtrimkv"])
+def test_a_global_budget_composes_with_mixed_precision(model, policy):
+    """One byte budget over every layer and head (a global allocator), mixed precision, decoding: each row holds
+    at most the bytes of ``budget`` full entries per head over all its heads (plus the schedule's buffer)."""
+    from helpers import decode_loop, with_test_gates
+
+    budget, buffer = 20, 2
+    params = with_test_gates(model, policy, {
+        "budget": budget, "allocator": "global", "action": "quantize", "bits": 4, "low_share": 0.5, "group": GROUP,
+        "value_group": VALUE_GROUP, "schedule": "decode", "buffer": buffer})
+    cache = kvsieve.KVCache(model, policy, **params)
+    per_full = 2 * 16 * 4
+    totals: list[int] = []
+
+    def check(step: int) -> None:
+        if step == 0:
+            return
+        stores = [layer.store for layer in cache.layers]
+        held = sum(_head_bytes(store).view(store.batch, store.heads).sum(dim=1) for store in stores)
+        slots = sum(store.heads for store in stores)
+        assert int(held.max()) <= (budget + buffer) * slots * per_full, (step, held.tolist())
+        totals.append(int(sum(int(store.tiered) for store in stores)))
+
+    decode_loop(model, cache, prompt(batch=2, length=64, seed=9), steps=10, after_step=check)
+    assert max(totals) > 0  # some layer holds quantized entries

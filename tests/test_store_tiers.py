@@ -86,3 +86,66 @@ def test_batch_selection_moves_tiers_with_their_rows():
     for new_b, old_b in enumerate([1, 1, 0]):
         assert torch.equal(after.keys[new_b], before.keys[old_b]) and torch.equal(after.positions[new_b],
                                                                                     before.positions[old_b])
+
+
+def _with_side(store: LayerStore) -> torch.Tensor:
+    """Side data ``acc`` set to a distinct value per entry (its position plus 100·segment); returns it."""
+    from kvsieve.cache.side_data import SideSpec
+
+    store.ensure_side(SideSpec("acc"))
+    view = store.dense()
+    seg = torch.arange(B * H).view(B, H, 1).float()
+    value = view.positions.float() + 100 * seg
+    store.add_dense("acc", value)
+    return value
+
+
+def test_side_data_moves_with_entries_into_a_tier_and_back_out_of_the_view():
+    store, _, _ = _store()
+    _with_side(store)
+    keep = [[0, 2, 3, 5, 9, 11], [1, 4, 6, 8], [0, 1, 2, 3, 10], [7, 8, 9, 10, 11]]
+    low = [[0, 2, 3, 5], [1, 4, 6, 8], [0, 1, 2], [7, 8]]
+    store.keep(*_tiered(low, [[k for k in row if k not in lo] for row, lo in zip(keep, low, strict=True)]))
+    assert store.tiered
+    view = store.dense()
+    for seg, kept in enumerate(keep):
+        b, h = divmod(seg, H)
+        n = len(kept)
+        assert view.positions[b, h, :n].tolist() == kept
+        assert view.extras["acc"][b, h, :n].tolist() == [float(k + 100 * seg) for k in kept]  # moved, not reset
+
+
+def test_add_dense_reaches_entries_in_every_tier():
+    store, _, _ = _store()
+    _with_side(store)
+    store.keep(*_tiered([[0, 1, 2, 3, 4]] * 4, [list(range(5, 10))] * 4))
+    before = store.dense().extras["acc"].clone()
+    valid = store.dense().valid
+    update = torch.rand(before.shape, generator=torch.Generator().manual_seed(3))
+    store.add_dense("acc", update)
+    after = store.dense().extras["acc"]
+    mask = valid if valid is not None else torch.ones(before.shape, dtype=torch.bool)
+    torch.testing.assert_close(after[mask], (before + update)[mask])
+    tier_values = store.tiers[0].dense_extras()["acc"]
+    assert bool((tier_values[store.tiers[0].dense()[3]] >= 0).all())
+    # the quantized entries (positions 0..4) got their share: the tier's own slots changed
+    assert not torch.equal(tier_values, torch.zeros_like(tier_values))
+
+
+def test_tier_side_data_survives_batch_selection_and_saving():
+    store, _, _ = _store()
+    _with_side(store)
+    store.keep(*_tiered([[0, 1, 2, 3]] * 4, [list(range(4, 12))] * 4))
+    expected = store.dense()
+    entries = store.entries()
+    assert any(key.endswith(".extra.acc") for key in entries)
+    restored = LayerStore(B, H, D, torch.float32, torch.device("cpu"))
+    from kvsieve.cache.side_data import SideSpec
+
+    restored.ensure_side(SideSpec("acc"))
+    restored.restore(entries)
+    assert torch.equal(restored.dense().extras["acc"], expected.extras["acc"])
+    store.select_batch(torch.tensor([1, 1, 0]))
+    view = store.dense()
+    assert torch.equal(view.extras["acc"][0], expected.extras["acc"][1])
+    assert torch.equal(view.extras["acc"][2], expected.extras["acc"][0])

@@ -49,7 +49,8 @@ def test_every_suggested_composition_builds_and_windows_fit_the_budget(budget: i
     assert len(seen) >= 6  # the draw covers the space, not one corner of it
     combos = {(s, a, c, d) for s, a, c, d in space.valid}
     assert ("restkv", "pyramid", "evict_merge", "blockwise") in combos
-    assert not any(c == "quantize" and s == "h2o" for s, _, c, _ in combos)  # side data cannot be quantized
+    assert ("h2o", "uniform", "quantize", "decode") in combos  # side data is kept for quantized entries too
+    assert ("restkv", "global", "quantize", "prefill") in combos  # a global budget in bytes
 
 
 def test_composition_label_and_kind_field_parameters() -> None:

@@ -50,7 +50,8 @@ BAD_PARAMS = [
     pytest.param("adakv", {"budget": 8, "base": "h2o", "window": 4}, "unexpected parameter 'window'",
                  id="adakv-window-over-a-base-without-one"),
     pytest.param("snapkv", {"budget": 8, "buffer": 4}, "buffer belongs to the .* schedules", id="buffer-on-prefill"),
-    pytest.param("h2o", {"budget": 8, "action": "quantize"}, "side data", id="quantize-a-side-data-scorer"),
+    pytest.param("h2o", {"budget": 8, "action": "quantize", "bits": 3}, "bits must be one of",
+                 id="quantize-bits-outside-the-set"),
     pytest.param("quest", {"budget": 8, "action": "quantize"}, "has no scorer|selector", id="quantize-a-selector"),
 ]
 

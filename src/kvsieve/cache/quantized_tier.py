@@ -11,13 +11,21 @@ Removing an entry marks its slot invalid; a group is freed when its last entry g
 step and minimum they were coded with, so nothing is re-quantized and no error accumulates). Groups are
 kept segment by segment, so a segment's entries are a contiguous run of slots and the dense view is one
 gather. Everything stays on the entries' device; segment bookkeeping is host ``long`` tensors.
+
+Per-entry side data (a scorer's running statistic: H2O's accumulated attention, KVzip's reconstruction
+score, retention gates) is kept per slot at its own precision (``extras``, ``(groups, G, ...)``), moves with
+its entries and is updated in place (:meth:`add_to_slots`): only keys and values are quantized.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvsieve.cache.side_data import SideSpec
 from kvsieve.ops.quantize import PARAM_DTYPE, asymmetric_codes, check_bits, code_table, pack, unpack_float
+
+#: Prefix of a tier's side data in :meth:`QuantizedTier.state` (``extra.h2o_acc``).
+EXTRA_PREFIX = "extra."
 
 
 class QuantizedTier:
@@ -47,6 +55,9 @@ class QuantizedTier:
         self.counts = torch.zeros(batch * heads, dtype=torch.long)
         #: Bumped by every change (views built from the tier compare it).
         self.version = 0
+        #: Per-slot side data ``(groups, G, *shape)`` and its specs (see the module docstring).
+        self.extras: dict[str, torch.Tensor] = {}
+        self.side_specs: dict[str, SideSpec] = {}
         self._table: torch.Tensor | None = None
         self._layout: tuple[int, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None = None
 
@@ -68,6 +79,14 @@ class QuantizedTier:
         return sum(t.numel() * t.element_size()
                    for t in (self.key_codes, self.value_codes, self.key_params, self.value_params))
 
+    def ensure_side(self, spec: SideSpec) -> None:
+        """Keep side data ``spec.name`` per slot (filled with ``spec.fill``) if not kept yet."""
+        if spec.name in self.extras:
+            return
+        self.side_specs[spec.name] = spec
+        self.extras[spec.name] = torch.full((self.key_codes.shape[0], self.group, *spec.shape), spec.fill,
+                                            dtype=spec.dtype, device=self.device)
+
     def group_nbytes(self) -> int:
         """Key and value bytes one group holds: packed codes, steps and minimums (whatever its live entries)."""
         return sum(t[0].numel() * t.element_size() if t.shape[0] else _row_numel(t) * t.element_size()
@@ -78,13 +97,16 @@ class QuantizedTier:
         return self.groups_per_segment * self.group_nbytes()
 
     def nbytes(self) -> int:
-        """All bytes held, positions and slot validity included."""
-        return self.kv_nbytes() + self.positions.numel() * 8 + self.valid.numel()
+        """All bytes held, positions, slot validity and side data included."""
+        extras = sum(t.numel() * t.element_size() for t in self.extras.values())
+        return self.kv_nbytes() + self.positions.numel() * 8 + self.valid.numel() + extras
 
     # ------------------------------------------------------------------ adding entries
-    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor) -> None:
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+            extras: dict[str, torch.Tensor] | None = None) -> None:
         """Quantize and add entries: ``keys``/``values`` ``(n, d)``, ``positions`` ``(n,)``, grouped by segment
-        in segment order, ``counts`` (host ``(segments,)``) entries of each segment, in position order."""
+        in segment order, ``counts`` (host ``(segments,)``) entries of each segment, in position order;
+        ``extras`` their side data ``(n, ...)`` (a field not given starts at its fill)."""
         counts = counts.to(torch.long).cpu()
         if int(counts.sum()) != keys.shape[0]:
             raise ValueError(f"counts sum to {int(counts.sum())} entries; got {keys.shape[0]}")
@@ -106,10 +128,16 @@ class QuantizedTier:
         padded_k[slot], padded_v[slot], pos[slot], valid[slot] = keys.float(), values.float(), positions, True
         key_codes, key_params = self._quantize_keys(padded_k.view(total, g, d), valid.view(total, g))
         value_codes, value_params = self._quantize_values(padded_v)
+        side = []
+        for name, spec in self.side_specs.items():
+            padded = torch.full((total * g, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)
+            if extras is not None and name in extras:
+                padded[slot] = extras[name].to(spec.dtype)
+            side.append(padded.view(total, g, *spec.shape))
         self.counts = self.counts + counts
         self.version += 1
         self._insert(new_groups, key_codes, value_codes.view(total, g, -1), key_params,
-                     value_params.view(total, g, 2, -1), pos.view(total, g), valid.view(total, g))
+                     value_params.view(total, g, 2, -1), pos.view(total, g), valid.view(total, g), *side)
 
     def _quantize_keys(self, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel codes over each group's valid slots: ``(groups, G, width)`` and params ``(groups, 2, d)``."""
@@ -136,8 +164,10 @@ class QuantizedTier:
         segment_old = torch.repeat_interleave(torch.arange(self.segments), old_groups)
         segment_new = torch.repeat_interleave(torch.arange(self.segments), new_groups)
         order = torch.sort(torch.cat([segment_old, segment_new]), stable=True).indices.to(self.device)
-        for name, new in zip(_BUFFERS, tensors, strict=True):
+        for name, new in zip(_BUFFERS, tensors[: len(_BUFFERS)], strict=True):
             setattr(self, name, torch.cat([getattr(self, name), new]).index_select(0, order))
+        for name, new in zip(self.side_specs, tensors[len(_BUFFERS):], strict=True):
+            self.extras[name] = torch.cat([self.extras[name], new]).index_select(0, order)
         self.groups_per_segment = old_groups + new_groups
 
     # ------------------------------------------------------------------ reading
@@ -188,6 +218,27 @@ class QuantizedTier:
         valid = (self.valid.index_select(0, index).view(self.segments, most, g) & present.unsqueeze(-1)).view(shape)
         return index, positions, valid
 
+    def dense_extras(self) -> dict[str, torch.Tensor]:
+        """Side data in the :meth:`dense` layout, ``(batch, heads, slots, ...)`` per field."""
+        layout = self._layout
+        if layout is None or layout[0] != self.version:
+            layout = self._layout = (self.version, *self._slot_layout())
+        index, positions = layout[1], layout[2]
+        out = {}
+        for name, extra in self.extras.items():
+            picked = extra if index is None else extra.index_select(0, index)
+            out[name] = picked.reshape(*positions.shape, *extra.shape[2:])
+        return out
+
+    def add_to_slots(self, name: str, values: torch.Tensor) -> None:
+        """Add ``values`` ``(batch, heads, slots, ...)`` (the :meth:`dense` layout) into side data ``name``."""
+        g = self.group
+        most = int(self.groups_per_segment.max()) if self.segments else 0
+        target = self.extras[name]
+        present = (torch.arange(most)[None, :] < self.groups_per_segment[:, None]).to(self.device)
+        grouped = values.reshape(self.segments, most, g, *target.shape[2:])[present]
+        target += grouped.to(target.dtype)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, values, positions, valid)`` padded to ``(batch, heads, slots, ...)``: each segment's groups'
         slots in order (slots, not entries: a removed entry leaves an invalid slot)."""
@@ -216,12 +267,14 @@ class QuantizedTier:
         alive = alive_host.to(self.device)
         for name in _BUFFERS:
             setattr(self, name, getattr(self, name)[alive])
+        self.extras = {name: extra[alive] for name, extra in self.extras.items()}
 
     # ------------------------------------------------------------------ saving
     def state(self) -> dict[str, torch.Tensor]:
         """Everything the tier holds, for a saved context: its buffers (codes, steps and minimums, positions,
         slot validity), the per-segment counts and ``config`` = ``(bits, group, value_group)``."""
         out = {name: getattr(self, name) for name in _BUFFERS}
+        out.update({EXTRA_PREFIX + name: extra for name, extra in self.extras.items()})
         out["groups_per_segment"] = self.groups_per_segment.clone()
         out["counts"] = self.counts.clone()
         out["config"] = torch.tensor([self.bits, self.group, self.value_group])
@@ -243,8 +296,18 @@ class QuantizedTier:
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"tier: {name} {tuple(state[name].shape)}, expected {shape} for {total} groups "
                                  f"at (bits, group, value_group) = {tuple(config)}, head size {self.head_dim}")
+        saved_sides = {key.removeprefix(EXTRA_PREFIX) for key in state if key.startswith(EXTRA_PREFIX)}
+        if saved_sides != set(self.side_specs):
+            raise ValueError(f"tier: saved with side data {sorted(saved_sides)}; this tier keeps "
+                             f"{sorted(self.side_specs)}")
+        for name, spec in self.side_specs.items():
+            if tuple(state[EXTRA_PREFIX + name].shape) != (total, self.group, *spec.shape):
+                raise ValueError(f"tier: side data {name} {tuple(state[EXTRA_PREFIX + name].shape)}, expected "
+                                 f"{(total, self.group, *spec.shape)}")
         for name in _BUFFERS:
             setattr(self, name, state[name].to(device=self.device, dtype=getattr(self, name).dtype).contiguous())
+        self.extras = {name: state[EXTRA_PREFIX + name].to(device=self.device, dtype=spec.dtype).contiguous()
+                       for name, spec in self.side_specs.items()}
         self.groups_per_segment = groups.clone()
         self.counts = state["counts"].to(torch.long).cpu().clone()
         self.version += 1
@@ -261,6 +324,7 @@ class QuantizedTier:
         rows = rows.to(torch.long).to(self.device)
         for name in _BUFFERS:
             setattr(self, name, getattr(self, name).index_select(0, rows))
+        self.extras = {name: extra.index_select(0, rows) for name, extra in self.extras.items()}
         self.batch = len(index)
         self.groups_per_segment, self.counts = groups.clone(), self.counts[segs].clone()
 

@@ -58,6 +58,9 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
         self.extras[spec.name] = torch.full(
             (self.keys.shape[0], *spec.shape), spec.fill, dtype=spec.dtype, device=self.device
         )
+        for tier in self.tiers:  # quantized entries keep their side data too
+            tier.ensure_side(spec)
+        self._combined = None
         self._dense_cache = None
 
     def ensure_extra(self, name: str, fill: float = 0.0, dtype: torch.dtype = torch.float32) -> None:

@@ -33,8 +33,10 @@ class StoreTiers(StoreCompaction):
 
     def add_tier(self, bits: int, group: int, value_group: int) -> int:
         """Create a tier at ``bits`` bits (KIVI groups of ``group`` tokens, ``value_group`` channels); its index."""
-        self.tiers.append(QuantizedTier(self.batch, self.heads, self.head_dim, bits, group, value_group,
-                                        self.dtype, self.device))
+        tier = QuantizedTier(self.batch, self.heads, self.head_dim, bits, group, value_group, self.dtype, self.device)
+        for spec in self.side_specs.values():  # type: ignore[attr-defined]
+            tier.ensure_side(spec)
+        self.tiers.append(tier)
         self._combined = None
         return len(self.tiers) - 1
 
@@ -58,15 +60,21 @@ class StoreTiers(StoreCompaction):
     def kv_nbytes(self) -> int:
         return super().kv_nbytes() + sum(tier.kv_nbytes() for tier in self.tiers)
 
+    def full_entry_units(self) -> torch.Tensor:
+        """Key/value bytes held per segment in full-precision entries ``(segments,)`` (host float64): its
+        full-precision entries plus its quantized groups' bytes."""
+        units = self.length.double()
+        per_full_entry = 2 * self.head_dim * self.keys.element_size()
+        for tier in self.tiers:
+            units = units + tier.segment_kv_nbytes().double() / per_full_entry
+        return units
+
     def max_full_entry_units(self) -> int:
         """The most key/value bytes any head holds, in full-precision entries (rounded up): full-precision
         entries plus its quantized groups' bytes — what a byte budget in full entries is compared with."""
         if not self.tiered:
             return self.max_length
-        units = self.length.double()
-        per_full_entry = 2 * self.head_dim * self.keys.element_size()
-        for tier in self.tiers:
-            units = units + tier.segment_kv_nbytes().double() / per_full_entry
+        units = self.full_entry_units()
         return int(torch.ceil(units.max()).item()) if units.numel() else 0
 
     def used_nbytes(self) -> int:
@@ -102,11 +110,9 @@ class StoreTiers(StoreCompaction):
             valid = torch.cat([v if v is not None else torch.ones(shape, dtype=torch.bool, device=self.device)
                                for v, shape in zip(valids, shapes, strict=True)], dim=2)
         extras = full.extras
-        if extras:  # side data has no quantized counterpart: tier slots get each field's fill
-            width = keys.shape[2] - full.length
-            extras = {name: torch.cat([extra, torch.full((*extra.shape[:2], width, *extra.shape[3:]),
-                                                         self.side_specs[name].fill if name in self.side_specs
-                                                         else 0.0, dtype=extra.dtype, device=self.device)], dim=2)
+        if extras:  # each tier keeps its entries' side data per slot
+            tier_extras = [tier.dense_extras() for tier in self.tiers if not tier.empty]
+            extras = {name: torch.cat([extra, *(part[name].to(extra.dtype) for part in tier_extras)], dim=2)
                       for name, extra in extras.items()}
 
         def fetch(name: str) -> torch.Tensor:
@@ -119,6 +125,7 @@ class StoreTiers(StoreCompaction):
         full_valid = full.valid if full.valid is not None else torch.ones(
             full.positions.shape, dtype=torch.bool, device=self.device)
         parts_k, parts_v, parts_p, parts_ok = [full.keys], [full.values], [full.positions], [full_valid]
+        parts_x = {name: [extra] for name, extra in full.extras.items()}
         tier_of = [torch.zeros(full.positions.shape, dtype=torch.long, device=self.device)]
         slot_of = [torch.arange(full.length, device=self.device).expand(b, h, -1)]
         for index, tier in enumerate(self.tiers, start=1):
@@ -127,6 +134,9 @@ class StoreTiers(StoreCompaction):
             parts_v.append(values)
             parts_p.append(positions)
             parts_ok.append(valid)
+            tier_extras = tier.dense_extras()
+            for name, parts in parts_x.items():
+                parts.append(tier_extras[name].to(parts[0].dtype))
             tier_of.append(torch.full(positions.shape, index, dtype=torch.long, device=self.device))
             slot_of.append(torch.arange(positions.shape[2], device=self.device).expand(b, h, -1))
         valid = torch.cat(parts_ok, dim=2)
@@ -143,12 +153,8 @@ class StoreTiers(StoreCompaction):
         keys, values = take(torch.cat(parts_k, dim=2)), take(torch.cat(parts_v, dim=2))
         kept_valid = take(valid)
         extras = {}
-        for name, extra in full.extras.items():
-            spec = self.side_specs.get(name)  # type: ignore[attr-defined]
-            fill = spec.fill if spec is not None else 0.0
-            pad = torch.full((b, h, valid.shape[2] - full.length, *extra.shape[3:]), fill, dtype=extra.dtype,
-                             device=self.device)
-            joined = torch.cat([extra, pad], dim=2)
+        for name, parts in parts_x.items():
+            joined = torch.cat(parts, dim=2)
             index = order.view(*order.shape, *([1] * (joined.dim() - 3))).expand(*order.shape, *joined.shape[3:])
             extras[name] = torch.gather(joined, 2, index)
         view = DenseView(keys, values, take(positions), None if bool(kept_valid.all()) else kept_valid, extras)
@@ -195,11 +201,12 @@ class StoreTiers(StoreCompaction):
         else:
             origin, slots = torch.zeros_like(index), index
         target = torch.zeros_like(index) if tiers is None else tiers.to(device).to(torch.long)
-        moving: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        moving: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
         for number in range(1, len(self.tiers) + 1):
             pick = chosen & (origin == 0) & (target == number)
             if bool(pick.any()):
-                moving.append((number - 1, *self._gather(view, index, pick), pick.sum(dim=1).cpu()))
+                moving.append((number - 1, *self._gather(view, index, pick), pick.sum(dim=1).cpu(),
+                               self._gather_extras(view, index, pick)))
         rows = torch.arange(b * h, device=device)[:, None].expand_as(slots)
         for number, tier in enumerate(self.tiers, start=1):
             if tier.empty:
@@ -215,8 +222,8 @@ class StoreTiers(StoreCompaction):
         kept_width = int(full_counts.max()) if full_counts.numel() else 0
         full_local = torch.sort(order, dim=1).values[:, :kept_width].clamp(max=max(self.max_length - 1, 0))
         src = super().keep(full_local, full_counts)
-        for tier_index, keys, values, positions, per_segment in moving:
-            self.tiers[tier_index].add(keys, values, positions, per_segment)
+        for tier_index, keys, values, positions, per_segment, extras in moving:
+            self.tiers[tier_index].add(keys, values, positions, per_segment, extras)
         self._combined = None
         return src
 
@@ -229,6 +236,42 @@ class StoreTiers(StoreCompaction):
         values = torch.gather(view.values.reshape(segments, length, d), 1, expand)[pick]
         positions = torch.gather(view.positions.reshape(segments, length), 1, index)[pick]
         return keys, values, positions
+
+    def _gather_extras(self, view: DenseView, index: torch.Tensor, pick: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Side data of the picked entries, as :meth:`_gather` orders them."""
+        segments, length = self.batch * self.heads, view.length
+        out = {}
+        for name, extra in view.extras.items():
+            flat = extra.reshape(segments, length, *extra.shape[3:])
+            expand = index.view(*index.shape, *([1] * (flat.dim() - 2))).expand(*index.shape, *flat.shape[2:])
+            out[name] = torch.gather(flat, 1, expand)[pick]
+        return out
+
+    def add_dense(self, name: str, values: torch.Tensor) -> None:
+        """Add ``(batch, heads, L, ...)`` values laid out like :meth:`dense` into side data ``name``: with tier
+        entries, each slot's value goes where its entry lives (the full-precision store or a tier's slot)."""
+        if not self.tiered:
+            super().add_dense(name, values)
+            return
+        view = self.dense()
+        tier_of, slot_of = self._origins()
+        valid = view.valid if view.valid is not None else torch.ones(tier_of.shape, dtype=torch.bool,
+                                                                     device=tier_of.device)
+        trailing = values.shape[3:]
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+
+        def routed(number: int, width: int) -> torch.Tensor:
+            mine = (valid & (tier_of == number)).view(*tier_of.shape, *([1] * len(trailing)))
+            out = torch.zeros((*tier_of.shape[:2], width + 1, *trailing), dtype=values.dtype, device=values.device)
+            slots = torch.where(tier_of == number, slot_of, width)  # others land in a spare last slot
+            index = slots.view(*slots.shape, *([1] * len(trailing))).expand(*slots.shape, *trailing)
+            return out.scatter_add(2, index, torch.where(mine, values, zero))[:, :, :width]
+
+        super().add_dense(name, routed(0, self.max_length))  # the full-precision store's own view
+        for number, tier in enumerate(self.tiers, start=1):
+            if not tier.empty:
+                tier.add_to_slots(name, routed(number, int(tier.groups_per_segment.max()) * tier.group))
+        self._combined = None
 
     # ------------------------------------------------------------------ batch and snapshots
     def entries(self) -> dict[str, torch.Tensor]:
@@ -254,6 +297,8 @@ class StoreTiers(StoreCompaction):
             bits, group, value_group = (int(x) for x in tiers[number]["config"].tolist())
             tier = QuantizedTier(self.batch, self.heads, self.head_dim, bits, group, value_group, self.dtype,
                                  self.device)
+            for spec in self.side_specs.values():  # type: ignore[attr-defined]
+                tier.ensure_side(spec)
             tier.load_state(tiers[number])
             built.append(tier)
         super().restore({k: v for k, v in entries.items() if not k.startswith(TIER_PREFIX)})  # type: ignore[misc]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import LayerStep
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.layer_call import LayerCall, LayerState
@@ -92,11 +93,18 @@ class GlobalPlans:
         budget = self.policy.budget
         total_budget = None if budget is None else sum(self._plans.layer_budget(i) or 0 for i in self.managed)
         heads = step.store.heads
+        mixed = bool(getattr(self.policy.action, "shares", ()))  # a byte budget: count bytes, in full entries
+
+        def held(store: LayerStore) -> torch.Tensor:
+            if mixed:
+                return torch.ceil(store.full_entry_units().view(store.batch, store.heads).sum(dim=1)).long()
+            return store.lengths().sum(dim=1)
+
         # held by this (already appended) layer, plus what the other managed layers will hold after their append
-        total = step.store.lengths().sum(dim=1) + step.q_len * heads * (len(self.managed) - 1)
+        total = held(step.store) + step.q_len * heads * (len(self.managed) - 1)
         for other in (layers[i].store for i in self.managed):
             if other is not None and other is not step.store:
-                total = total + other.lengths().sum(dim=1)
+                total = total + held(other)
         # the slack (``buffer`` per head) counts every head of every managed layer, as the budget does
         managed_heads = heads * len(self.managed)
         limit = (total_budget or 0) * heads

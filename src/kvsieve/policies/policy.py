@@ -145,18 +145,9 @@ class Policy:
                 part.check(self.budget_spec)
 
     def _check_tiers(self) -> None:
-        """Parts a quantizing action cannot serve yet (quantized entries carry no side data; selectors and
-        global allocators do not read tiers)."""
-        name = self.name
-        if self.scorer is not None and self.scorer.side():
-            raise PolicyConfigError(f"{name}: the {self.action.name} action cannot keep the per-entry side data of "
-                                    f"the {self.scorer.name} scorer for quantized entries; use a scorer without "
-                                    "side data (snapkv, restkv, tova, streaming_llm, random)")
+        """Parts a quantizing action cannot serve yet (selectors do not read tiers)."""
         if self.selector is not None:
-            raise PolicyConfigError(f"{name}: the {self.action.name} action does not work with a selector yet")
-        if self.allocator.scope == "global":
-            raise PolicyConfigError(f"{name}: the {self.action.name} action does not work with a global allocator "
-                                    "yet")
+            raise PolicyConfigError(f"{self.name}: the {self.action.name} action does not work with a selector yet")
 
     def bind(self, model: Any) -> Policy:
         """This policy with its scorer bound to ``model`` (learned scorers load weights; most return themselves)."""

@@ -18,9 +18,9 @@ Two regimes, one action:
   eviction alone at 2–4 bits.
 
 Entries already quantized stay in their tier (they are never dequantized back to full precision); they
-can still be evicted. Quantized entries carry no per-entry side data, so scorers that keep side data
-(H2O's accumulator, EMS, retention gates) are refused with this action, as are selectors and global
-allocators (their decoding-time and cross-layer paths do not read tiers yet).
+can still be evicted. A quantized entry keeps its scorer's per-entry side data (H2O's accumulator, KVzip's
+reconstruction score, retention gates) in its tier, so any scorer and any allocator (a global budget
+included) compose with this action; selectors are refused (their pages and sums do not read tiers yet).
 """
 
 from __future__ import annotations
