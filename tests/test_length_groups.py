@@ -119,3 +119,21 @@ def test_a_cut_is_cheap_on_a_cpu_and_dear_on_an_accelerator():
     assert length_groups.call_cost(torch.device("cpu")) == length_groups.CALL_COST
     assert plan_groups(lengths, length_groups.call_cost(torch.device("cpu"))) is not None
     assert plan_groups(lengths, length_groups.call_cost(torch.device("cuda"))) is None
+
+
+def test_long_heads_are_attended_in_place_and_as_the_padded_view(monkeypatch):
+    step = ragged_decoding_step(2, 2, 2, [5, 690, 700, 7])
+    planned = step.store.length_groups()
+    assert planned is not None
+    assert sorted(sorted(group.segments.tolist()) for group, _ in planned) == [[0, 3], [1, 2]]
+    padded = all_entries_output(step, step.module, None, None, step.view)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for in_place, expected_calls in ((600, 3), (10**9, 2)):  # the long pair read in place, or gathered
+        calls = []
+        monkeypatch.setattr(length_groups, "IN_PLACE_LENGTH", in_place)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *a, calls=calls, **k: calls.append(1) or sdpa(*a, **k))
+        grouped = grouped_decode_output(step, planned)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+        assert len(calls) == expected_calls
+        torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)

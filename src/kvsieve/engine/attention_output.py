@@ -36,11 +36,14 @@ def first_prompt_output(call: LayerCall, step: LayerStep) -> torch.Tensor:
 
 
 def held_output(
-    policy: Policy, row_configs: dict[int, list[dict[str, int]] | None], call: LayerCall, step: LayerStep
+    policy: Policy, row_configs: dict[int, list[dict[str, int]] | None], call: LayerCall, step: LayerStep,
+    compressed: bool = True,
 ) -> torch.Tensor:
     """Attention over the held entries: expanded centres, a selector's subset (decoding), or all of them.
 
-    ``row_configs`` is the engine's record of each batch row's selector configuration per layer.
+    ``row_configs`` is the engine's record of each batch row's selector configuration per layer; ``compressed``:
+    whether the cache has compacted anything yet (until then it holds what transformers' cache would, and a
+    decoding step keeps transformers' own call: :func:`packs_decoding_query`).
     """
     module, sliding_window, left_alone = call.module, call.sliding_window, call.layer.left_alone
     if step.store.tiered:  # quantized entries (no side data, no selector: the policy refuses both)
@@ -69,12 +72,12 @@ def held_output(
                 full = all_entries_output(step, module, sliding_window, bias)
                 output = torch.where(exact.to(output.device)[:, None, None, None], full, output)
             return output
-    return all_entries_output(step, module, sliding_window, bias)
+    return all_entries_output(step, module, sliding_window, bias, compressed=compressed)
 
 
 def all_entries_output(
     step: LayerStep, module: torch.nn.Module, sliding_window: int | None, bias: torch.Tensor | None,
-    view: DenseView | None = None,
+    view: DenseView | None = None, compressed: bool = True,
 ) -> torch.Tensor:
     """Attention of the step's queries over every held entry (visibility from stored positions); ``view``
     defaults to the step's dense view (attention does not depend on the order of the entries, so a tiered
@@ -86,7 +89,7 @@ def all_entries_output(
                 return grouped_decode_output(step, groups)
         view = step.view
     if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
-        if packs_decoding_query(step):
+        if compressed and packs_decoding_query(step):
             return packed_decoding_output(step.query, view.keys, view.values, step.scaling)
         return attend(module, step.query, view.keys, view.values, None, step.form)
     mask = output_mask(
@@ -103,15 +106,13 @@ def packs_decoding_query(step: LayerStep) -> bool:
     attention (``enable_gqa``), and on a CPU in bfloat16/float16 that kernel takes 4–7× longer per layer than
     one call whose queries are the group's heads over their KV head (measured, 3 KV heads of 64, 128–2,048
     entries: 58 → 14 µs at 128, 881 → 130 µs at 2,048; in float32 the grouped call is as fast, so it stays).
-    Only once the layer holds fewer entries than tokens seen (something was evicted): a cache that holds what
-    transformers' would keeps transformers' call, bit for bit.
+    Only for a cache that has compacted something (the caller's ``compressed``): until then it holds what
+    transformers' cache would and keeps transformers' call, bit for bit (``full``, a budget above the prompt).
     """
     query = step.query
     if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) or step.groups == 1:
         return False
-    if step.form is not None and step.form.explicit:
-        return False
-    return step.store.max_length < step.first_position + 1
+    return step.form is None or not step.form.explicit
 
 
 def packed_decoding_output(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float

@@ -210,7 +210,7 @@ class Engine:
         elif first:
             output = first_prompt_output(call, step)
         else:
-            output = held_output(self.policy, self._row_configs, call, step)
+            output = held_output(self.policy, self._row_configs, call, step, self._deferral.compactions > 0)
         self._after_output(call, step)
         return output
 

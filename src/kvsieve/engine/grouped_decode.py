@@ -6,13 +6,15 @@ segments is gathered to its own width and attended on its own: every segment bec
 ``groups`` query heads are the query rows of one attention call (a single decoding query per head, so the
 rows are independent), and the outputs are put back in head order. The result is the attention of each
 query head over its KV head's held entries, as the padded view gives it, computed over less padding; a
-group that is a single segment reads its entries in place (no gather).
+group of one segment, or (on a CPU) of segments all holding at least ``IN_PLACE_LENGTH`` entries, is
+attended segment by segment where its entries lie (no gather: copying a long head costs more than a call).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
 from kvsieve.core.step import LayerStep
 
@@ -26,19 +28,25 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     index, valid, _ = store.gather_index()
     scaling = step.form.scaling if step.form is not None else step.scaling
+    lengths = store.length  # host
     for group, width in groups:
         members = group.device_segments
         count = group.segments.numel()
-        if count == 1:  # one segment: its entries are contiguous rows of the buffers
-            start = int(store.start[int(group.segments[0])])
-            keys = store.keys[start : start + width].view(1, 1, width, dim)
-            values = store.values[start : start + width].view(1, 1, width, dim)
-            mask = None
-        else:
-            rows = index.index_select(0, members)[:, :width].reshape(-1)
-            keys = store.keys.index_select(0, rows).view(count, 1, width, dim)
-            values = store.values.index_select(0, rows).view(count, 1, width, dim)
-            mask = None if group.equal else valid.index_select(0, members)[:, None, None, :width]
+        shortest = int(lengths[group.segments].min())
+        if count == 1 or (shortest >= length_groups.IN_PLACE_LENGTH and query.device.type == "cpu"):
+            # long heads: each segment's entries are contiguous rows of the buffers, attended where they are
+            for segment in group.segments.tolist():
+                start, held = int(store.start[segment]), int(lengths[segment])
+                keys = store.keys[start : start + held].view(1, 1, held, dim)
+                values = store.values[start : start + held].view(1, 1, held, dim)
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    queries[segment].view(1, 1, per_head, dim), keys, values, scale=scaling)
+                output[segment] = out.view(per_head, dim)
+            continue
+        rows = index.index_select(0, members)[:, :width].reshape(-1)
+        keys = store.keys.index_select(0, rows).view(count, 1, width, dim)
+        values = store.values.index_select(0, rows).view(count, 1, width, dim)
+        mask = None if group.equal else valid.index_select(0, members)[:, None, None, :width]
         group_query = queries.index_select(0, members).view(count, 1, per_head, dim)
         out = torch.nn.functional.scaled_dot_product_attention(group_query, keys, values, attn_mask=mask,
                                                                scale=scaling)
