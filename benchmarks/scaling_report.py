@@ -60,7 +60,7 @@ def table(result: dict[str, Any]) -> str:
                 r = by_batch.get(batch)
                 cells += ["—", "—"] if r is None else [f"{r['latency_ms_median']:.1f}",
                                                        f"{r['latency_ms_median_ratio']:.2f}"]
-            cells += [f"{first['kv_bytes'] / MIB:.1f}", str(first["peak_head_length"])]
+            cells += [f"{first['kv_bytes'] / MIB:.1f}", str(int(first["peak_head_length"]))]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
