@@ -32,13 +32,22 @@ def mean_se(values: list[float]) -> tuple[float, float, int]:
     return mean, se, n
 
 
+def label(rec: dict[str, Any]) -> str:
+    """The policy with its parameters, as ``kvsieve eval`` names it (``kvzip(action=quantize,bits=4)``): runs of
+    one preset with different parameters are different caches."""
+    params = rec.get("params") or {}
+    if not params:
+        return str(rec["policy"])
+    return f"{rec['policy']}(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+
+
 def complete_groups(path: Path) -> dict[Key, dict[Cache, dict[str, Any]]]:
     """Records by task sample, keeping only samples that every cache of the sweep finished."""
     groups: dict[Key, dict[Cache, dict[str, Any]]] = defaultdict(dict)
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             rec = json.loads(line)
-            groups[(rec["task"], int(rec["length"]), int(rec["sample"]))][(rec["policy"], rec["budget"])] = rec
+            groups[(rec["task"], int(rec["length"]), int(rec["sample"]))][(label(rec), rec["budget"])] = rec
     caches = set().union(*(set(g) for g in groups.values())) if groups else set()
     return {k: g for k, g in groups.items() if set(g) == caches}
 
