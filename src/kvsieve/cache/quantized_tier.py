@@ -235,8 +235,10 @@ class QuantizedTier:
         g = self.group
         most = int(self.groups_per_segment.max()) if self.segments else 0
         target = self.extras[name]
-        present = (torch.arange(most)[None, :] < self.groups_per_segment[:, None]).to(self.device)
-        grouped = values.reshape(self.segments, most, g, *target.shape[2:])[present]
+        # the layout's present groups, from host bookkeeping (an index, not a boolean mask: no device read)
+        present = torch.arange(most)[None, :] < self.groups_per_segment[:, None]
+        rows = (torch.arange(self.segments)[:, None] * most + torch.arange(most)[None, :])[present].to(self.device)
+        grouped = values.reshape(self.segments * most, g, *target.shape[2:]).index_select(0, rows)
         target += grouped.to(target.dtype)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
