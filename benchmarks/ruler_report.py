@@ -32,22 +32,30 @@ def mean_se(values: list[float]) -> tuple[float, float, int]:
     return mean, se, n
 
 
-def label(rec: dict[str, Any]) -> str:
-    """The policy with its parameters, as ``kvsieve eval`` names it (``kvzip(action=quantize,bits=4)``): runs of
-    one preset with different parameters are different caches."""
+def label(rec: dict[str, Any], with_params: bool) -> str:
+    """The policy, with its parameters when ``with_params`` (``kvzip(action=quantize,bits=4)``)."""
     params = rec.get("params") or {}
-    if not params:
+    if not with_params or not params:
         return str(rec["policy"])
     return f"{rec['policy']}(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
 
 
 def complete_groups(path: Path) -> dict[Key, dict[Cache, dict[str, Any]]]:
-    """Records by task sample, keeping only samples that every cache of the sweep finished."""
+    """Records by task sample, keeping only samples that every cache of the sweep finished.
+
+    A policy run with several parameter sets at one (budget, length) (``kvzip`` and ``kvzip:action=quantize``) is
+    told apart by its parameters; one whose parameters only follow the length (DuoAttention's matched split) is not.
+    """
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    variants: dict[tuple[str, Any, int], set[str]] = defaultdict(set)
+    for rec in records:
+        variants[(rec["policy"], rec["budget"], int(rec["length"]))].add(json.dumps(rec.get("params") or {},
+                                                                                    sort_keys=True))
+    split = {policy for (policy, _, _), seen in variants.items() if len(seen) > 1}
     groups: dict[Key, dict[Cache, dict[str, Any]]] = defaultdict(dict)
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            groups[(rec["task"], int(rec["length"]), int(rec["sample"]))][(label(rec), rec["budget"])] = rec
+    for rec in records:
+        cache = (label(rec, rec["policy"] in split), rec["budget"])
+        groups[(rec["task"], int(rec["length"]), int(rec["sample"]))][cache] = rec
     caches = set().union(*(set(g) for g in groups.values())) if groups else set()
     return {k: g for k, g in groups.items() if set(g) == caches}
 
