@@ -53,6 +53,13 @@ class Deferral:
             self.policy.action.apply(store, plan)
         self.compactions += 1
 
+    @staticmethod
+    def trim(store: LayerStore, min_position: int, decoding: bool = False) -> None:
+        """A sliding-window layer's trim: drop entries below ``min_position``. At a decoding step it drops one
+        entry per head, so each head keeps one free row and the next step's append fits in place."""
+        with store.reserving(1 if decoding else 0):
+            store.keep_positions_after(min_position)
+
     def settle(self, layer_idx: int, continuation: bool) -> None:
         """Apply (the prompt ended) or drop (it continues) a layer's waiting plan; trims always apply."""
         entry = self._waiting.pop(layer_idx, None)
@@ -61,7 +68,7 @@ class Deferral:
         if entry.plan is not None and not continuation:
             self.act(entry.store, entry.plan)
         if entry.trim_below is not None:
-            entry.store.keep_positions_after(entry.trim_below)
+            self.trim(entry.store, entry.trim_below)
 
     def flush(self) -> None:
         """Apply every waiting prompt compaction now (before inspecting, copying or reordering the cache)."""

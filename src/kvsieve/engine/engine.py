@@ -305,9 +305,7 @@ class Engine:
         deferred = self._plan(call, step) if managed else False
         if sliding_window is not None and not deferred:
             # The next query (position ``seen``) sees keys at positions > seen - window: drop older ones.
-            # a decoding step drops one entry per head; the next one's append then fits in place
-            with step.store.reserving(1 if step.is_decoding else 0):
-                step.store.keep_positions_after(layer.seen - sliding_window + 1)
+            self._deferral.trim(step.store, layer.seen - sliding_window + 1, step.is_decoding)
 
     def _plan(self, call: LayerCall, step: LayerStep) -> bool:
         """Plan this managed layer (now, or for all layers after the last one under a global allocator) and

@@ -134,7 +134,6 @@ class GlobalPlans:
             if plan is not None:
                 self._deferral.act(item.step.store, plan, item.step.is_decoding)
             if trim is not None:
-                with item.step.store.reserving(1 if item.step.is_decoding else 0):
-                    item.step.store.keep_positions_after(trim)
+                self._deferral.trim(item.step.store, trim, item.step.is_decoding)
         if pending and not pending[-1].step.is_decoding:
             self._warning.warn_if_noop(compressed, pending[-1].layer.seen)

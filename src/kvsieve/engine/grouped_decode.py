@@ -26,7 +26,6 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     per_head = q_heads // store.heads  # query heads per stored head
     queries = query.reshape(store.segments, per_head, dim)
     output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
-    index, valid, _ = store.gather_index()
     scaling = step.form.scaling if step.form is not None else step.scaling
     lengths = store.length  # host
     for group, width in groups:
@@ -43,6 +42,7 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
                     queries[segment].view(1, 1, per_head, dim), keys, values, scale=scaling)
                 output[segment] = out.view(per_head, dim)
             continue
+        index, valid, _ = store.gather_index()  # cached; only a gathered group reads it
         rows = index.index_select(0, members)[:, :width].reshape(-1)
         keys = store.keys.index_select(0, rows).view(count, 1, width, dim)
         values = store.values.index_select(0, rows).view(count, 1, width, dim)
