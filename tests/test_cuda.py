@@ -152,3 +152,71 @@ def test_fused_statistics_on_cuda(policy: str, monkeypatch) -> None:
         results.append((logits, kept))
     torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+#: Decoding-time compositions added since the last GPU run: mixed precision under the decode schedule (group-aware
+#: plan), scorers' side data in quantized tiers (h2o), a global byte budget with mixed precision (dbtrimkv), ragged
+#: caches decoded by length groups (adakv, kvzip after its reconstruction, DuoAttention's head split).
+DECODING = {
+    "mixed_decode": ("mixed", {"scorer": "tova", "budget": 24, "group": 4, "value_group": 8, "schedule": "decode",
+                               "buffer": 6}),
+    "h2o_quantized": ("h2o", {"budget": 24, "action": "quantize", "bits": 4, "low_share": 0.5, "group": 4,
+                              "value_group": 8, "schedule": "decode", "buffer": 3}),
+    "dbtrimkv_global_mixed": ("dbtrimkv", {"budget": 20, "allocator": "global", "action": "quantize", "bits": 4,
+                                           "low_share": 0.5, "group": 4, "value_group": 8, "schedule": "decode",
+                                           "buffer": 2}),
+    "adakv": ("adakv", {"budget": 24, "window": 8}),
+    "kvzip": ("kvzip", {"budget": 24}),
+    "duo_attention": ("duo_attention", {"budget": 24}),
+}
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_decoding_compositions_match_the_cpu(name: str) -> None:
+    """The same tokens fed to the same cache on the CPU and on CUDA (float32, teacher-forced so that rounding cannot
+    change the inputs): the same kept positions per head after every step and logits within 1e-4; quantized
+    compositions hold at most the bytes of ``budget + buffer`` full entries per head (per row over all heads for the
+    global budget) at every step on the device too."""
+    policy, params = DECODING[name]
+    ids, fed = prompt(2, 72, seed=5), prompt(2, 12, seed=7)
+    runs = []
+    for device in (torch.device("cpu"), CUDA):
+        model = build_model("llama").to(device)
+        full = with_test_gates(model, policy, dict(params))
+        for key in ("gates", "pattern"):
+            if isinstance(full.get(key), torch.Tensor):
+                full[key] = full[key].to(device)
+        cache = kvsieve.KVCache(model, policy, **full)
+        logits = [model(ids.to(device), **cache_kwargs(model, cache)).logits[:, -1].cpu()]
+        if policy == "kvzip":
+            kvsieve.reconstruct(model, CharTokenizer(), cache, ids.to(device))
+        kept = []
+        for step in range(fed.shape[1]):
+            logits.append(model(fed[:, step:step + 1].to(device), **cache_kwargs(model, cache)).logits[:, -1].cpu())
+            kept.append([cache.kept_positions(layer, b, h).cpu() for layer in range(3) for b in range(2)
+                         for h in range(2)])
+            stores = [layer.store for layer in cache.layers]
+            assert all(store.keys.device.type == device.type for store in stores)
+            if "action" in params or policy == "mixed":
+                per_full = 2 * stores[0].head_dim * stores[0].keys.element_size()
+                held = [_held_bytes(store) for store in stores]
+                limit = (params["budget"] + params["buffer"]) * per_full
+                if params.get("allocator") == "global":
+                    rows = sum(h.view(s.batch, s.heads).sum(dim=1) for h, s in zip(held, stores, strict=True))
+                    assert int(rows.max()) <= limit * sum(s.heads for s in stores), (device, step)
+                else:
+                    assert max(int(h.max()) for h in held) <= limit, (device, step)
+        runs.append((logits, kept))
+    (cpu_logits, cpu_kept), (gpu_logits, gpu_kept) = runs
+    for ours, theirs in zip(cpu_logits, gpu_logits, strict=True):
+        torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+    for step, (cpu_step, gpu_step) in enumerate(zip(cpu_kept, gpu_kept, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step, strict=True)), step
+
+
+def _held_bytes(store) -> torch.Tensor:
+    """Key/value bytes per (batch item, KV head): entries in the model dtype plus the quantized groups held."""
+    held = store.length * (2 * store.head_dim * store.keys.element_size())
+    for tier in store.tiers:
+        held = held + tier.segment_kv_nbytes()
+    return held
