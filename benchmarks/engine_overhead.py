@@ -24,6 +24,10 @@ rotated every step), greedy next token fed back. Every cache grows by one entry 
 steps per round each configuration is measured at ``B`` to ``B + warmup + steps`` entries. Reported:
 median seconds per step per configuration and the ratios ``snapkv/dynamic`` and ``adakv/dynamic``.
 
+``--device cuda`` (with ``--model random-smollm2`` or ``random-llama8b``: random weights of those shapes, the
+default model's weights do not travel to a GPU host) brackets every timed step and prefill with
+``torch.cuda.synchronize()``; bf16 unless ``--dtype float32``.
+
 **Prefill.** A ``--prefill-tokens`` (default ``T``) prompt at batch 1, ``--prefill-repeats`` times
 (default 3), rotating between the plain model with a ``DynamicCache``, ``snapkv`` and ``restkv``
 (prefill + compression, ``logits_to_keep=1``), after an untimed short warm-up of each. Ratios:
@@ -221,6 +225,13 @@ def entries_per_head(cache: Any) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- timing
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA): every timed region is bracketed by it, so a GPU's asynchronous
+    launches are not timed as free. Nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def forward_step(model: torch.nn.Module, cache: Any, token: torch.Tensor) -> torch.Tensor:
     """One decoding forward (the call timed for every cache alike); the greedy next token ``(batch, 1)``."""
     out = model(token, **cache_kwargs(model, cache), attention_mask=None, use_cache=True, logits_to_keep=1)
@@ -240,11 +251,14 @@ def build_state(model: torch.nn.Module, policy: str, budget: int, ids: torch.Ten
                 params: dict[str, Any] | None = None) -> tuple[DecodeState, float]:
     """Prefill ``ids`` into a fresh cache; the state and the prefill seconds."""
     cache = make_cache(model, policy, budget, params)
+    ids = ids.to(next(iter(model.parameters())).device)
+    synchronize(ids.device)
     started = time.perf_counter()
     out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     flush = getattr(cache, "flush", None)
     if flush is not None:
         flush()  # kvsieve applies a prompt's compaction when the prompt ends: time it with the prefill
+    synchronize(ids.device)
     elapsed = time.perf_counter() - started
     return DecodeState(model, cache, out.logits[:, -1:].argmax(-1)), elapsed
 
@@ -265,8 +279,10 @@ def interleaved_decode(states: dict[str, DecodeState], rounds: int, steps: int,
             shift = (r * steps + s) % len(names)
             for name in names[shift:] + names[:shift]:
                 model, cache, token = states[name].model, work[name], tokens[name]
+                synchronize(token.device)
                 started = time.perf_counter()
                 token = forward_step(model, cache, token)
+                synchronize(token.device)
                 times[name].append(time.perf_counter() - started)
                 tokens[name] = token
         del work
@@ -455,6 +471,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="default: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--threads", type=int, default=None, help="default: torch.get_num_threads()")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA every timed region synchronises)")
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "random-smollm2", "random-llama8b"],
+                        help="the default model, or random weights of its (or Llama-3.1-8B's) shapes")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 512-token prompt, budget 64, batches 1,2, 1 round of 4 steps, 1 prefill")
     parser.add_argument("--profile", nargs="?", const="torch", choices=["torch", "cprofile"], default=None,
@@ -482,15 +501,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     from kvsieve import load_default_model
 
     cpu = cpu_info()
-    dtype, dtype_note = pick_dtype(args.dtype, cpu["bf16_native"])
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        dtype, dtype_note = {"float32": torch.float32}.get(args.dtype or "", torch.bfloat16), "GPU"
+    else:
+        dtype, dtype_note = pick_dtype(args.dtype, cpu["bf16_native"])
     settings = settings_from(args)
     started = time.perf_counter()
-    model, tokenizer = load_default_model(dtype=dtype)
     need = max(max(settings.batches) * settings.tokens, settings.prefill_tokens)
-    pool = essay_token_pool(tokenizer, need)
+    if args.model == "smollm2" and device.type == "cpu":
+        model, tokenizer = load_default_model(dtype=dtype)
+        pool = essay_token_pool(tokenizer, need)
+    else:  # random weights of the default model's (or Llama-3.1-8B's) shapes: weights do not travel to a GPU host
+        from quantize_decode import load
+
+        model, pool = load(args.model, dtype, device, need)
     meta = {
-        "benchmark": "engine_overhead", "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
-        "dtype_note": dtype_note, "cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "benchmark": "engine_overhead",
+        "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
+        "dtype": str(dtype).removeprefix("torch."), "dtype_note": dtype_note, "cpu": cpu,
+        "device": {"type": device.type, **({"name": torch.cuda.get_device_name(device)} if device.type == "cuda"
+                                           else {})},
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(), "kvsieve": kvsieve_source(),
         "load_average_at_start": load_average(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

@@ -182,10 +182,8 @@ def test_decoding_compositions_match_the_cpu(name: str) -> None:
     runs = []
     for device in (torch.device("cpu"), CUDA):
         model = build_model("llama").to(device)
-        full = with_test_gates(model, policy, dict(params))
-        for key in ("gates", "pattern"):
-            if isinstance(full.get(key), torch.Tensor):
-                full[key] = full[key].to(device)
+        # gates built on the CPU for a CUDA model: the cache binds a copy on the model's device
+        full = with_test_gates(build_model("llama"), policy, dict(params))
         cache = kvsieve.KVCache(model, policy, **full)
         logits = [model(ids.to(device), **cache_kwargs(model, cache)).logits[:, -1].cpu()]
         if policy == "kvzip":

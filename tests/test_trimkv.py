@@ -51,6 +51,23 @@ def test_save_load_round_trip_bit_exact(tmp_path, tied):
     assert not any(p.requires_grad for p in loaded.parameters())
 
 
+def test_gates_object_on_another_device_is_copied_to_the_models():
+    """Gates built on one device for a model on another (a CPU-built gate, a GPU model): ``on(device)`` (what a
+    cache binds) is a frozen copy there, equal in value, and the caller's object stays where it was. The copy goes
+    to the ``meta`` device here (no GPU in CI; tests/test_cuda.py runs the real case through ``KVCache``)."""
+    model = build_model("llama")
+    gates = _gates(model, tied=True)
+    assert gates.on(torch.device("cpu")) is gates
+    moved = gates.on(torch.device("meta"))
+    assert moved is not gates and moved.config == gates.config and moved.w_in.device.type == "meta"
+    assert not any(p.requires_grad for p in moved.parameters())
+    assert gates.w_in.device.type == "cpu"
+    back = moved.to_empty(device="cpu")
+    back.load_state_dict(gates.state_dict())  # shapes match the original's exactly
+    assert torch.equal(back.log_beta(1, torch.ones(1, 3, model.config.hidden_size)),
+                       gates.log_beta(1, torch.ones(1, 3, model.config.hidden_size)))
+
+
 def test_load_refuses_mismatched_model(tmp_path):
     _gates(build_model("llama")).save(tmp_path / "g")
     with pytest.raises(GateMismatchError, match="model_type='qwen2'"):

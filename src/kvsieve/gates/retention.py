@@ -115,6 +115,16 @@ class RetentionGates(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> RetentionGates:
         return self  # read-only at inference: copies of a cache share their gates
 
+    def on(self, device: torch.device) -> RetentionGates:
+        """These gates on ``device``: ``self`` when already there, else a frozen copy (``self`` is left where it is,
+        so gates shared by caches of models on different devices stay valid for each)."""
+        if self.w_in.device == device:
+            return self
+        moved = RetentionGates(self.config, seed=None)
+        moved.load_state_dict({name: tensor.detach().to(device) for name, tensor in self.state_dict().items()},
+                              assign=True)
+        return moved.requires_grad_(False)
+
     def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Gate pre-activations ``z`` ``(batch, kv_heads, tokens)`` from ``hidden`` ``(batch, tokens, d)``."""
         x = hidden.to(self.w_in.dtype).unsqueeze(1)  # (batch, 1, tokens, d) @ (heads, d, r): one batched matmul

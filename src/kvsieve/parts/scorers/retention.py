@@ -85,13 +85,14 @@ class RetentionGate(Scorer):
             )
 
     def bind(self, model: torch.nn.Module) -> RetentionGate:
-        """A copy holding the gates loaded for ``model`` (refuses gates trained for another architecture)."""
+        """A copy holding the gates loaded for ``model`` (refuses gates trained for another architecture), on the
+        model's device."""
         from kvsieve.gates.pretrained import load_pretrained
         from kvsieve.gates.retention import RetentionGates, load_gates
 
         if isinstance(self.gates, RetentionGates):
             self.gates.config.check_model(model)
-            loaded = self.gates
+            loaded = self.gates.on(next(iter(model.parameters())).device)  # gates built on the CPU, model on a GPU
         elif self.gates is not None:
             loaded = load_gates(self.gates, model)
         else:
