@@ -386,7 +386,7 @@ def run_benchmark(model: torch.nn.Module, pool: torch.Tensor, settings: Settings
     plain = plain_twin(model)
     result: dict[str, Any] = {"settings": asdict(settings), "decode": {}, "prefill": None}
     with torch.no_grad():
-        warm = pool[: min(16, pool.numel())].unsqueeze(0)
+        warm = pool[: min(16, pool.numel())].unsqueeze(0).to(next(iter(model.parameters())).device)
         plain(warm, use_cache=False)  # page the weights in
         for batch in settings.batches:
             log(f"decode, batch {batch}")
