@@ -50,14 +50,16 @@ class StoreAppend(StoreLayout):
         if length + q > cap:
             self._grow_uniform(length + q + GROWTH)
             length, cap = self._uniform
-        b, h, d = self.batch, self.heads, self.head_dim
-        self.keys.view(b, h, cap, d)[:, :, length : length + q].copy_(keys)
-        self.values.view(b, h, cap, d)[:, :, length : length + q].copy_(values)
-        pos = self.positions.view(b, h, cap)[:, :, length : length + q]
+        keys4, values4, positions4 = self.capacity_views()
+        keys4.narrow(2, length, q).copy_(keys)
+        values4.narrow(2, length, q).copy_(values)
+        pos = positions4.narrow(2, length, q)
         if q == 1:
             pos.fill_(first_position)
         else:
-            pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(b, h, q))
+            pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(self.batch,
+                                                                                                  self.heads, q))
+        b, h = self.batch, self.heads
         for name, t in self.extras.items():
             t.view(b, h, cap, *t.shape[1:])[:, :, length : length + q].fill_(self.side_specs[name].fill)
         self._uniform = (length + q, cap)
