@@ -320,3 +320,56 @@ def test_a_global_budget_composes_with_mixed_precision(model, policy):
 
     decode_loop(model, cache, prompt(batch=2, length=64, seed=9), steps=10, after_step=check)
     assert max(totals) > 0  # some layer holds quantized entries
+
+
+def test_quantized_entries_accumulate_exactly_their_own_attention(model, monkeypatch):
+    """Every decoding step adds to each held entry — in the model dtype or quantized — exactly the attention the
+    step's query paid it (the update H2O computed over the combined view, routed by the entry's position): the
+    accumulator read back after the step is the one before plus that entry's own share, for every entry that
+    stayed, across compactions that quantize, move and evict entries."""
+    from helpers import decode_loop
+
+    from kvsieve.parts.scorers.h2o import ACCUMULATOR, AccumulatedAttention
+
+    cache = kvsieve.KVCache(model, "h2o", budget=24, action="quantize", bits=4, low_share=0.5, group=GROUP,
+                            value_group=VALUE_GROUP, schedule="decode", buffer=3)
+    updates: dict[int, dict[tuple[int, int, int], float]] = {}
+    original = AccumulatedAttention.observe
+
+    def observing(self, step):
+        out = original(self, step)
+        view = step.view
+        valid = view.valid if view.valid is not None else torch.ones(view.positions.shape, dtype=torch.bool)
+        if step.is_decoding:
+            updates[step.layer_idx] = {(b, h, int(view.positions[b, h, j])): float(out[ACCUMULATOR][b, h, j])
+                                       for b, h, j in valid.nonzero().tolist()}
+        return out
+
+    monkeypatch.setattr(AccumulatedAttention, "observe", observing)
+
+    def held(layer: int) -> dict[tuple[int, int, int], float]:
+        view = cache.layers[layer].store.dense()
+        valid = view.valid if view.valid is not None else torch.ones(view.positions.shape, dtype=torch.bool)
+        return {(b, h, int(view.positions[b, h, j])): float(view.extras[ACCUMULATOR][b, h, j])
+                for b, h, j in valid.nonzero().tolist()}
+
+    before: dict[int, dict[tuple[int, int, int], float]] = {}
+    checked = {"quantized": 0, "full": 0}
+
+    def check(step: int) -> None:
+        for layer in range(len(cache.layers)):
+            after = held(layer)
+            if step >= 2:  # the prompt's compaction ran at step 1
+                store = cache.layers[layer].store
+                quantized = set()
+                for tier in store.tiers:
+                    _, _, positions, valid = tier.dense()
+                    quantized |= {(b, h, int(positions[b, h, j])) for b, h, j in valid.nonzero().tolist()}
+                for key, value in after.items():
+                    expected = before[layer].get(key, 0.0) + updates[layer][key]
+                    assert value == pytest.approx(expected, rel=1e-5, abs=1e-6), (step, layer, key)
+                    checked["quantized" if key in quantized else "full"] += 1
+            before[layer] = after
+
+    decode_loop(model, cache, prompt(batch=2, length=64, seed=8), steps=14, after_step=check)
+    assert checked["quantized"] > 100 and checked["full"] > 100
