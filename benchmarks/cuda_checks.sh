@@ -5,7 +5,9 @@
 # the default model's architecture and on Llama-3.1-8B's, random weights (the weights cannot travel there), and the
 # prefill cost of every scoring method vs snapkv with statistics fused and unfused (benchmarks/statistics_prefill.py).
 # Issue 23: the speed of KeyDiff, Expected Attention, CAKE, KVzip (with its reconstruction) and DuoAttention vs snapkv
-# (benchmarks/new_methods_speed.py). ONLY_NEW=1 runs the tests and that benchmark only.
+# (benchmarks/new_methods_speed.py). ONLY_NEW=1 runs the tests and that benchmark only. Issue 22: the engine's overhead
+# against a DynamicCache on the device (benchmarks/engine_overhead.py --device cuda) and the packed vs grouped decoding
+# query (benchmarks/packed_decoding.py), unless ONLY_NEW is set.
 # Writes into ${OUT:-results/cuda}: test_cuda.log and one JSON per benchmark and model.
 set -u
 out=${OUT:-results/cuda}
@@ -26,7 +28,12 @@ for model in random-smollm2 random-llama8b; do
   fi
   timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/statistics_prefill.py --device cuda --model "$model" \
     --output "$out/statistics_prefill_cuda_${model#random-}.json" 2>&1 | grep -E "T=|over|Error|error"
+  timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/engine_overhead.py --device cuda --model "$model" \
+    --output "$out/engine_overhead_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|PASS|FAIL|Error|error"
 done
+if [ -z "${ONLY_NEW:-}" ]; then
+  timeout 90 python3 benchmarks/packed_decoding.py --device cuda --repeats 3 --output "$out/packed_decoding_cuda.json" | tail -25
+fi
 # code unpacking on the GPU: lookup table (what the CPU prefers) vs shifts and masks, Llama-8B batch-8 tier shapes
 python3 - <<'PY'
 import time, torch

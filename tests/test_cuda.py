@@ -7,6 +7,9 @@ decoding hot path. On the tiny models of ``conftest.py`` moved to CUDA:
   architecture, and a compressed cache the same kept positions as the same cache on the CPU (float32; a
   mismatch would mean the device changes which entries a method keeps);
 * every preset generates a batch with left padding on CUDA, its cache stays on CUDA and within budget;
+* decoding-time compositions (mixed precision under the decode schedule, side data in tiers, a global byte budget,
+  ragged heads and length groups) keep the same entries per step as on the CPU, within their byte budgets, and
+  gates built on the CPU serve a CUDA model;
 * a decoding step without a compaction synchronises with the host **zero** times for the caches the
   engine promises it for (counted with ``torch.cuda.set_sync_debug_mode("warn")``); the count of every other
   preset is printed (``-s``), so a lent machine's log says where round trips remain.
