@@ -129,6 +129,30 @@ def test_keep_copies_exact_entries_and_shrinks_capacity():
         assert p.tolist() == [*(10 + c for c in chosen), 16]
 
 
+def test_replaced_buffers_are_freed():
+    """The uniform store's cached capacity views hold the buffers they view; once a compaction (to a ragged layout
+    here, which never reads them) or a growth replaces the buffers, the old ones must be freed — a prompt's
+    whole buffer kept alive would undo the memory a compression saves."""
+    import gc
+    import weakref
+
+    store = make_store()
+    keys, values = kv(6, seed=5)
+    store.append(keys, values, 0, None)
+    store.dense()  # views the uniform buffers (and caches them)
+    grown = weakref.ref(store.keys)
+    for step in range(GROWTH + 1):  # appends until the buffers grow
+        store.append(*kv(1, seed=step), 6 + step, None)
+    gc.collect()
+    assert grown() is None
+    prompt = weakref.ref(store.keys)
+    counts = torch.tensor([2, 0, 3, 1, 6, 4])
+    store.keep(torch.arange(6).expand(B * H, 6).contiguous(), counts)
+    assert not store.is_uniform
+    gc.collect()
+    assert prompt() is None
+
+
 def test_keep_everything_removed_then_append():
     store = make_store()
     keys, values = kv(3, seed=7)

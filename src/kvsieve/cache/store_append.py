@@ -81,6 +81,7 @@ class StoreAppend(StoreLayout):
         self.keys, self.values, self.positions = grow(self.keys), grow(self.values), grow(self.positions)
         self.extras = {name: grow(t) for name, t in self.extras.items()}
         self._uniform = (length, capacity)
+        self._capacity_cache = None
         self._gather_cache = None
 
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:

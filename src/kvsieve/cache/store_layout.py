@@ -98,6 +98,7 @@ class StoreLayout:
         self._next_rows = self._next_cols = None
         self._appended = None
         self._groups = None
+        self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
         segs = self.segments
         if segs == 0:
             self._uniform = (0, 0)
