@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import ARCHS, build_model, default_implementation
 from helpers import generate, left_pad, prompt, reference_cache, with_test_gates
+from test_quantize_action import _head_bytes
 from test_row_independence import CharTokenizer
 
 import kvsieve
@@ -200,7 +201,7 @@ def test_decoding_compositions_match_the_cpu(name: str) -> None:
             assert all(store.keys.device.type == device.type for store in stores)
             if "action" in params or policy == "mixed":
                 per_full = 2 * stores[0].head_dim * stores[0].keys.element_size()
-                held = [_held_bytes(store) for store in stores]
+                held = [_head_bytes(store) for store in stores]
                 limit = (params["budget"] + params["buffer"]) * per_full
                 if params.get("allocator") == "global":
                     rows = sum(h.view(s.batch, s.heads).sum(dim=1) for h, s in zip(held, stores, strict=True))
@@ -214,10 +215,3 @@ def test_decoding_compositions_match_the_cpu(name: str) -> None:
     for step, (cpu_step, gpu_step) in enumerate(zip(cpu_kept, gpu_kept, strict=True)):
         assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step, strict=True)), step
 
-
-def _held_bytes(store) -> torch.Tensor:
-    """Key/value bytes per (batch item, KV head): entries in the model dtype plus the quantized groups held."""
-    held = store.length * (2 * store.head_dim * store.keys.element_size())
-    for tier in store.tiers:
-        held = held + tier.segment_kv_nbytes()
-    return held

@@ -65,23 +65,30 @@ def test_packing_matches_the_dense_reference():
     torch.testing.assert_close(out.float(), reference, atol=0.03, rtol=0.02)
 
 
+def transformers_masked_call(query, keys, values, scaling, valid):
+    """What decoding ragged heads called before packing: transformers' SDPA wrapper with the validity repeated per
+    query head (it then repeats every key and value per query head too)."""
+    from types import SimpleNamespace
+
+    from kvsieve.transformers_adapter import sdpa_attention
+
+    groups = query.shape[1] // keys.shape[1]
+    module = SimpleNamespace(is_causal=False, num_key_value_groups=groups, training=False)
+    return sdpa_attention(module, query, keys, values, valid.unsqueeze(-2).repeat_interleave(groups, dim=1), scaling)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_packing_is_transformers_masked_call_bit_for_bit(dtype):
     """Ragged heads (a padded view with validity): the packed call with one mask row per KV head gives what
     transformers' masked SDPA call gives after repeating every key, value and mask row per query head (bit for bit
     with torch 2.13 on this CPU; within rounding promised: torch 2.11 on another CPU differed in float32)."""
-    from types import SimpleNamespace
-
-    from kvsieve.transformers_adapter import sdpa_attention
-
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(3, 6, 1, 16, generator=generator).to(dtype)
     keys = torch.randn(3, 2, 37, 16, generator=generator).to(dtype)
     values = torch.randn(3, 2, 37, 16, generator=generator).to(dtype)
     valid = torch.rand(3, 2, 37, generator=generator) > 0.3
     valid[..., 0] = True
-    module = SimpleNamespace(is_causal=False, num_key_value_groups=3, training=False)
-    reference = sdpa_attention(module, query, keys, values, valid.unsqueeze(-2).repeat_interleave(3, dim=1), 0.25)
+    reference = transformers_masked_call(query, keys, values, 0.25, valid)
     out = attention_output.packed_decoding_output(query, keys, values, 0.25, valid)
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
@@ -100,14 +107,7 @@ def test_ragged_decoding_is_packed_and_unchanged(model, monkeypatch):
     packed = greedy(model, kvsieve.KVCache(model, "adakv", budget=12, window=4), ids)
     assert 5 in calls  # some layer decoded ragged, with its validity
 
-    def masked_call(query, keys, values, scaling, valid):  # what decoding ragged heads called before
-        from kvsieve.transformers_adapter import sdpa_attention
-
-        groups = query.shape[1] // keys.shape[1]
-        module = type("M", (), {"is_causal": False, "num_key_value_groups": groups, "training": False})()
-        return sdpa_attention(module, query, keys, values, valid.unsqueeze(-2).repeat_interleave(groups, 1), scaling)
-
     monkeypatch.setattr(attention_output, "packed_decoding_output",
-                        lambda *a: original(*a) if len(a) == 4 else masked_call(*a))
+                        lambda *a: original(*a) if len(a) == 4 else transformers_masked_call(*a))
     masked = greedy(model, kvsieve.KVCache(model, "adakv", budget=12, window=4), ids)
     torch.testing.assert_close(masked, packed, atol=0.05, rtol=0.02)  # bfloat16: equal here, rounding elsewhere
