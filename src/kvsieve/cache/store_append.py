@@ -57,11 +57,9 @@ class StoreAppend(StoreLayout):
         if q == 1:
             pos.fill_(first_position)
         else:
-            pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(self.batch,
-                                                                                                  self.heads, q))
-        b, h = self.batch, self.heads
-        for name, t in self.extras.items():
-            t.view(b, h, cap, *t.shape[1:])[:, :, length : length + q].fill_(self.side_specs[name].fill)
+            pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(pos.shape))
+        for name in self.extras:
+            self.side_capacity_view(name).narrow(2, length, q).fill_(self.side_specs[name].fill)
         self._uniform = (length + q, cap)
         self._appended = (length, q)
         if self.hooks:

@@ -190,20 +190,24 @@ class StoreLayout:
         self._capacity_cache = (self.keys, self.values, self.positions, cap, views)
         return views
 
+    def side_capacity_view(self, name: str) -> torch.Tensor:
+        """Side data ``name`` of the uniform layout viewed ``(batch, heads, capacity, ...)`` (not cached: side data
+        is read when a scorer asks, not at every step)."""
+        assert self._uniform is not None
+        t = self.extras[name]
+        return t.view(self.batch, self.heads, self._uniform[1], *t.shape[1:])
+
     def dense(self) -> DenseView:
         """Padded view ``(batch, heads, L, ...)`` of all entries; ``valid`` is None if nothing is padded."""
         if self._dense_cache is not None:
             return self._dense_cache
         b, h = self.batch, self.heads
         if self._uniform is not None:
-            length, cap = self._uniform
+            length = self._uniform[0]
             keys, values, positions = self.capacity_views()
 
             def view(name: str) -> torch.Tensor:
-                if name == "positions":
-                    return positions.narrow(2, 0, length)
-                t = self.extras[name]
-                return t.view(b, h, cap, *t.shape[1:]).narrow(2, 0, length)
+                return (positions if name == "positions" else self.side_capacity_view(name)).narrow(2, 0, length)
 
             out = DenseView(keys.narrow(2, 0, length), values.narrow(2, 0, length), None, None, None, view,
                             tuple(self.extras))
