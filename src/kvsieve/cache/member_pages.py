@@ -100,6 +100,8 @@ class MemberPages(StoreHook):
             start = store.start.to(device)
             segments = torch.searchsorted(start + store.capacity.to(device), rows, right=True)
             local = rows - start[segments]
+        if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
+            local = local + store.tier_lengths().to(device)[segments]
         if self.max_count + 1 > self.cap:
             self._grow(store, self.max_count + 1 + MEMBER_GROWTH)
         slot = self.count[segments]

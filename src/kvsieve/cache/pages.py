@@ -4,7 +4,9 @@ Sec. 3.2; the hybrid sparse attention of RocketKV (Behnam et al., 2025, arXiv:25
 Each segment's held entries are split, in position order, into pages of ``page_size`` consecutive
 entries; for every page the element-wise maximum and minimum of its keys are kept. Appends update only
 the pages they touch (``scatter_reduce_`` with ``amax``/``amin``); a compaction or any other layout change
-recomputes every page from the held keys, so the statistics always describe exactly what is held.
+recomputes every page from the held keys, so the statistics always describe exactly what is held. With
+quantized tiers the pages are those of the combined view (every entry in position order, quantized ones
+dequantized), so a selector reads quantized entries as it reads full-precision ones.
 Unused page slots hold ``-inf`` (max) / ``+inf`` (min). The statistics keep the keys' dtype: a max or
 min of stored values is one of them, so nothing is rounded, and a page costs what ``2·d`` key elements
 cost (RocketKV Table 1's accounting).
@@ -81,6 +83,8 @@ class PageMinMax(StoreHook):
             ends = start + store.capacity.to(device)
             segments = torch.searchsorted(ends, rows, right=True)
             local = rows - start[segments]
+        if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
+            local = local + store.tier_lengths().to(device)[segments]
         page = local // self.page_size
         needed = int(page.max()) + 1 if page.numel() else 0
         if needed > self.slots:

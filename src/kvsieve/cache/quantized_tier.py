@@ -87,10 +87,12 @@ class QuantizedTier:
         self.extras[spec.name] = torch.full((self.key_codes.shape[0], self.group, *spec.shape), spec.fill,
                                             dtype=spec.dtype, device=self.device)
 
-    def group_nbytes(self) -> int:
-        """Key and value bytes one group holds: packed codes, steps and minimums (whatever its live entries)."""
-        return sum(t[0].numel() * t.element_size() if t.shape[0] else _row_numel(t) * t.element_size()
-                   for t in (self.key_codes, self.value_codes, self.key_params, self.value_params))
+    def group_nbytes(self, values_only: bool = False) -> int:
+        """Key and value bytes one group holds: packed codes, steps and minimums (whatever its live entries);
+        ``values_only``: the values' alone."""
+        buffers = (self.value_codes, self.value_params) if values_only else (
+            self.key_codes, self.value_codes, self.key_params, self.value_params)
+        return sum(_row_numel(t) * t.element_size() for t in buffers)
 
     def segment_kv_nbytes(self) -> torch.Tensor:
         """Key and value bytes held per segment ``(segments,)`` (host): its groups × :meth:`group_nbytes`."""

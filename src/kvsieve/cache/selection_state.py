@@ -36,9 +36,10 @@ class SelectionState(StoreHook):
         self.dirty = True
 
     def record(self, store: LayerStore, read: int | torch.Tensor) -> None:
-        """One decoding step read ``read`` bytes; full attention would have read every held key and value."""
+        """One decoding step read ``read`` bytes; full attention would have read every held key and value (as
+        held: a quantized entry's codes, steps and minimums)."""
         self.read_bytes = self.read_bytes + read
-        self.full_bytes += store.total_entries() * kv_entry_bytes(store)
+        self.full_bytes += store.kv_nbytes()
         self.steps += 1
 
     def traffic(self) -> tuple[int | torch.Tensor, int, int]:
@@ -70,3 +71,24 @@ def hook_of(store: LayerStore, kind: type[StoreHook]) -> StoreHook:
 def kv_entry_bytes(store: LayerStore) -> int:
     """Bytes of one key + value."""
     return (store.keys.element_size() + store.values.element_size()) * store.head_dim
+
+
+def selected_nbytes(store: LayerStore, chosen: torch.Tensor, values_only: bool = False) -> int | torch.Tensor:
+    """Bytes of the entries at indices ``chosen`` ``(batch, kv_heads or q_heads, k)`` into the dense view, as
+    held: a full-precision key + value (or value alone) each, a quantized one its tier's share of its group's
+    codes, steps and minimums (a 0-dim tensor then, summed on the device: no host sync)."""
+    full = store.values.element_size() * store.head_dim if values_only else kv_entry_bytes(store)
+    if not store.tiered:
+        return chosen.numel() * full
+    tier_of, _ = store.origins()  # (batch, kv_heads, L): 0 full precision, t ≥ 1 tier t - 1
+    table = torch.tensor([full, *(tier.group_nbytes(values_only) / tier.group for tier in store.tiers)],
+                         dtype=torch.float64, device=chosen.device)
+    index = chosen.reshape(chosen.shape[0], tier_of.shape[1], -1)  # a query head's picks under its KV head
+    return table[tier_of.to(chosen.device).gather(2, index)].sum()
+
+
+def held_key_nbytes(store: LayerStore) -> int:
+    """Bytes of every held key, as held (a quantized key: its packed code and its group's steps and minimums)."""
+    full = store.total_entries() * store.keys.element_size() * store.head_dim
+    return full + sum(int(tier.groups_per_segment.sum()) * (tier.group_nbytes() - tier.group_nbytes(True))
+                      for tier in store.tiers)

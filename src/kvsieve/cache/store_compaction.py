@@ -62,8 +62,7 @@ class StoreCompaction(StoreLayout):
         self.keys, self.values, self.positions = take(self.keys), take(self.values), take(self.positions)
         self.extras = {name: take(t) for name, t in self.extras.items()}
         self._set_ragged(new_start, counts, capacity if total else counts.clone())
-        for hook in self.hooks:
-            hook.after_layout(self)
+        self._layout_changed()
         return src
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -82,8 +81,7 @@ class StoreCompaction(StoreLayout):
         )
         self.extras = {name: t.index_select(0, src) for name, t in self.extras.items()}
         self._set_ragged(new_start, lengths, lengths.clone())
-        for hook in self.hooks:
-            hook.after_layout(self)
+        self._layout_changed()
 
     def keep_positions_before(self, limit: int) -> None:
         """Drop every entry at position ``limit`` or later (rollback of the last tokens)."""
@@ -99,7 +97,7 @@ class StoreCompaction(StoreLayout):
         if view.valid is not None:
             keep = keep & view.valid
         counts = keep.sum(dim=-1).reshape(-1).cpu()
-        if bool((counts == self.length).all()):
+        if bool((counts == self.lengths().reshape(-1)).all()):  # every tier counted
             return
         width = keep.shape[-1]
         order = torch.where(keep, torch.arange(width, device=keep.device), width)
@@ -133,5 +131,4 @@ class StoreCompaction(StoreLayout):
             self.values.index_copy_(0, rows, values.to(self.dtype))
         for name, t in (extras or {}).items():
             self.extras[name].index_copy_(0, rows, t.to(self.extras[name].dtype))
-        for hook in self.hooks:
-            hook.after_layout(self)
+        self._layout_changed()

@@ -15,6 +15,9 @@ order. Two layouts share these buffers:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from kvsieve.cache.dense_view import DenseView
@@ -24,6 +27,12 @@ from kvsieve.cache.length_groups import LengthGroup, call_cost, plan_groups
 CapacityViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+class LayoutListener(Protocol):
+    """What a store tells of its layout changes (:class:`~kvsieve.cache.store_hook.StoreHook` is one)."""
+
+    def after_layout(self, store: StoreLayout) -> None: ...
+
+
 class StoreLayout:
     """The base of :class:`~kvsieve.cache.store.LayerStore`: its buffers, their segment layout and views.
 
@@ -31,6 +40,11 @@ class StoreLayout:
     saving (:mod:`kvsieve.cache.store_snapshot`) change the buffers and adopt a new layout with
     :meth:`_set_ragged`.
     """
+
+    hooks: Sequence[LayoutListener]
+    #: Set while an operation moves entries in several steps (the tiers' keep, batch selection, restore):
+    #: hooks are told once, at its end, when the dense view they rebuild from is whole again.
+    _hooks_deferred: bool = False
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
@@ -56,6 +70,12 @@ class StoreLayout:
         self._groups: tuple[list[LengthGroup] | None, int] | None = None
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
+
+    def _layout_changed(self) -> None:
+        """Tell every hook that entries were removed, moved or reordered (not while deferred)."""
+        if not self._hooks_deferred:
+            for hook in self.hooks:
+                hook.after_layout(self)
 
     # ------------------------------------------------------------------ layout bookkeeping
     @property

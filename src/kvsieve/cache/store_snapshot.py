@@ -51,5 +51,4 @@ class StoreSnapshot(StoreLayout):
         self._set_ragged(torch.cumsum(lengths, 0) - lengths, lengths, lengths.clone())
         self.written_sides = set(self.extras)  # saved side data may be anything
         self.peak_length = max(self.peak_length, self.max_length)
-        for hook in self.hooks:
-            hook.after_layout(self)
+        self._layout_changed()

@@ -15,6 +15,9 @@ Quantized entries carry no per-entry side data (a policy whose scorer keeps side
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from kvsieve.cache.dense_view import DenseView
@@ -52,6 +55,23 @@ class StoreTiers(StoreCompaction):
         for tier in self.tiers:
             out = out + tier.lengths()
         return out
+
+    def tier_lengths(self) -> torch.Tensor:
+        """Quantized entries per segment ``(segments,)`` (host tensor; zeros without tiers): a full-precision
+        entry at slot ``i`` of its segment that is newer than every quantized one sits at ``i`` plus this in
+        :meth:`dense` (appends are newest, so hooks place them with it)."""
+        out = torch.zeros(self.segments, dtype=torch.long)
+        for tier in self.tiers:
+            out = out + tier.counts
+        return out
+
+    @property
+    def held_max_length(self) -> int:
+        """Most entries any segment holds, every tier counted (a Python int; ``max_length`` without tiers)."""
+        if not self.tiered:
+            return self.max_length
+        lengths = self.lengths()
+        return int(lengths.max()) if lengths.numel() else 0
 
     def full_lengths(self) -> torch.Tensor:
         """Full-precision entries per (batch item, KV head) (host tensor)."""
@@ -221,11 +241,23 @@ class StoreTiers(StoreCompaction):
         order = torch.where(stay, slots, torch.iinfo(torch.long).max)
         kept_width = int(full_counts.max()) if full_counts.numel() else 0
         full_local = torch.sort(order, dim=1).values[:, :kept_width].clamp(max=max(self.max_length - 1, 0))
-        src = super().keep(full_local, full_counts)
-        for tier_index, keys, values, positions, per_segment, extras in moving:
-            self.tiers[tier_index].add(keys, values, positions, per_segment, extras)
-        self._combined = None
+        with self._one_layout_change():
+            src = super().keep(full_local, full_counts)
+            for tier_index, keys, values, positions, per_segment, extras in moving:
+                self.tiers[tier_index].add(keys, values, positions, per_segment, extras)
         return src
+
+    @contextmanager
+    def _one_layout_change(self) -> Iterator[None]:
+        """Within the block the full-precision store and the tiers change in turn; hooks (a selector's pages and
+        sums, which read the combined view) are told once, at the end, when the view is whole again."""
+        outer, self._hooks_deferred = self._hooks_deferred, True
+        try:
+            yield
+        finally:
+            self._hooks_deferred = outer
+            self._combined = None
+        self._layout_changed()
 
     def _gather(self, view: DenseView, index: torch.Tensor, pick: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,12 +333,13 @@ class StoreTiers(StoreCompaction):
                 tier.ensure_side(spec)
             tier.load_state(tiers[number])
             built.append(tier)
-        super().restore({k: v for k, v in entries.items() if not k.startswith(TIER_PREFIX)})  # type: ignore[misc]
-        self.tiers = built
-        self._combined = None
+        with self._one_layout_change():
+            super().restore({k: v for k, v in entries.items()  # type: ignore[misc]
+                             if not k.startswith(TIER_PREFIX)})
+            self.tiers = built
 
     def select_batch(self, index: torch.Tensor) -> None:
-        super().select_batch(index)
-        for tier in self.tiers:
-            tier.select_batch(index)
-        self._combined = None
+        with self._one_layout_change():
+            super().select_batch(index)
+            for tier in self.tiers:
+                tier.select_batch(index)

@@ -46,10 +46,9 @@ def held_output(
     decoding step keeps transformers' own call: :func:`packs_decoding_query`).
     """
     module, sliding_window, left_alone = call.module, call.sliding_window, call.layer.left_alone
-    if step.store.tiered:  # quantized entries (no side data, no selector: the policy refuses both)
-        return all_entries_output(step, module, sliding_window, None, step.store.attention_view())
-    bias = step.bias()
-    expanded = None if left_alone else policy.action.expanded(step)
+    tiered = step.store.tiered  # quantized entries (no merges: a quantizing action does not merge)
+    bias = None if tiered else step.bias()
+    expanded = None if left_alone or tiered else policy.action.expanded(step)
     if expanded is not None:  # EMS w. pos: centres expanded to the positions they stand for
         keys, values, positions, valid, bias = expanded
         mask = output_mask(lambda: step.query_positions, lambda: positions, valid, sliding_window, step.groups,
@@ -72,6 +71,8 @@ def held_output(
                 full = all_entries_output(step, module, sliding_window, bias)
                 output = torch.where(exact.to(output.device)[:, None, None, None], full, output)
             return output
+    if tiered:  # every entry, in the tiers' cheaper unordered view (attention does not depend on the order)
+        return all_entries_output(step, module, sliding_window, None, step.store.attention_view())
     return all_entries_output(step, module, sliding_window, bias, compressed=compressed)
 
 

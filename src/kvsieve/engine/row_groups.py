@@ -36,6 +36,7 @@ def _restricted(store: LayerStore, rows: list[int]) -> LayerStore:
     and copy only the group's entries."""
     restricted = copy.copy(store)
     restricted.hooks = [copy.copy(hook) for hook in store.hooks]
+    restricted.tiers = [copy.copy(tier) for tier in store.tiers]  # their select_batch reassigns, as the store's
     restricted.select_batch(torch.tensor(rows))
     return restricted
 

@@ -136,18 +136,14 @@ class Policy:
         if ratio is not None and not self.allocator.accepts_ratio:
             raise PolicyConfigError(f"{name}: the {self.allocator.name} allocator needs an absolute budget (int ≥ 1), "
                                     "not a ratio")
+        if self.scorer is None and type(self.action) is not Evict:
+            raise PolicyConfigError(f"{name}: the {self.action.name} action acts on a scorer's plan, and this policy "
+                                    "has no scorer (give scorer=..., e.g. 'snapkv')")
         if self.selector is not None and budget is None:
             raise PolicyConfigError(f"{name}: needs budget (int ≥ 1): the number of entries each query attends to")
-        if self.action.quantizes:
-            self._check_tiers()
         for part in (self.scorer, self.allocator, self.action, self.selector, self.schedule):
             if part is not None:
                 part.check(self.budget_spec)
-
-    def _check_tiers(self) -> None:
-        """Parts a quantizing action cannot serve yet (selectors do not read tiers)."""
-        if self.selector is not None:
-            raise PolicyConfigError(f"{self.name}: the {self.action.name} action does not work with a selector yet")
 
     def bind(self, model: Any) -> Policy:
         """This policy with its scorer bound to ``model`` (learned scorers load weights; most return themselves)."""

@@ -10,9 +10,9 @@ PyramidKV's β, AdaKV's α, EMS's γ and τ, CAKE's τ₁/τ₂ and γ, KIVI-sty
 them. Selectors are not searched: they keep every entry in memory (their savings are compute, not bytes),
 so under a byte budget they are never feasible. Scorers that need a model-specific artefact or an extra pass
 (``retention``: learned gates; ``kvzip``: a reconstruction pass of several prefills) are opt-in
-(``--scorers``). Some combinations are refused by the policy itself (a quantizing action with a scorer
-that keeps per-entry side data, a layer-budget allocator under a ratio, a blockwise schedule for a
-prefill-only scorer): such a trial fails at once, before any model work, and the sampler moves on.
+(``--scorers``). Some combinations are refused by the policy itself (a layer-budget allocator under a
+ratio, a blockwise schedule for a prefill-only scorer): such a trial fails at once, before any model work,
+and the sampler moves on.
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ Two regimes, one action:
 Entries already quantized stay in their tier (they are never dequantized back to full precision); they
 can still be evicted. A quantized entry keeps its scorer's per-entry side data (H2O's accumulator, KVzip's
 reconstruction score, retention gates) in its tier, so any scorer and any allocator (a global budget
-included) compose with this action; selectors are refused (their pages and sums do not read tiers yet).
+included) compose with this action, and so do decoding-time selectors (Quest, SparQ, RocketKV's hybrid sparse
+attention, exact top-k): their pages, value sums and subsets are those of the combined view, every held entry
+in position order with quantized ones dequantized, and their measured traffic counts each selected entry as
+held (a quantized one its share of its group's codes, steps and minimums).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Quantize(Action):
     """
 
     name: ClassVar[str] = "quantize"
-    #: Entries move into quantized tiers (the policy then refuses parts that cannot read tiers yet).
+    #: Entries move into quantized tiers (every part reads them through the combined view).
     quantizes: ClassVar[bool] = True
     #: What ``kvsieve list`` says a policy with this action does.
     effect: ClassVar[str] = "quantizes"

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.cache.selection_state import SelectionState, kv_entry_bytes, record_if_measured
+from kvsieve.cache.selection_state import SelectionState, held_key_nbytes, record_if_measured, selected_nbytes
 from kvsieve.cache.store import StoreHook
 from kvsieve.core.part import require_int
 from kvsieve.core.preset import Preset
@@ -36,13 +36,9 @@ class ExactTopK(Selector):
     def select(self, step: LayerStep) -> torch.Tensor | None:
         view = step.view
         store = step.store
-        entry = kv_entry_bytes(store)
         if self.k >= view.length:
-            record_if_measured(store, store.total_entries() * entry)
+            record_if_measured(store, store.kv_nbytes())
             return None
-        # traffic: every held key (to rank them) plus the values of the k chosen per query head
-        value_reads = step.query.shape[0] * step.query.shape[1] * self.k * store.values.element_size() * store.head_dim
-        record_if_measured(store, store.total_entries() * store.keys.element_size() * store.head_dim + value_reads)
         batch, q_heads, _, dim = step.query.shape
         kv_heads = view.keys.shape[1]
         grouped = step.query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float()
@@ -54,7 +50,10 @@ class ExactTopK(Selector):
             logits = logits + bias[:, :, None, :]
         if view.valid is not None:
             logits = logits.masked_fill(~view.valid[:, :, None, :], float("-inf"))
-        return torch.topk(logits, self.k, dim=-1).indices.reshape(batch, q_heads, self.k)
+        chosen = torch.topk(logits, self.k, dim=-1).indices.reshape(batch, q_heads, self.k)
+        # traffic: every held key (to rank them) plus the values of the k chosen per query head, as held
+        record_if_measured(store, held_key_nbytes(store) + selected_nbytes(store, chosen, values_only=True))
+        return chosen
 
 
 PRESETS = (

@@ -32,7 +32,7 @@ import torch
 
 from kvsieve.cache.member_pages import STAGE1_KEEP, MemberPages
 from kvsieve.cache.pages import PageMinMax
-from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
+from kvsieve.cache.selection_state import SelectionState, hook_of, selected_nbytes, state_of
 from kvsieve.cache.store import LayerStore, SideSpec, StoreHook
 from kvsieve.core.part import require_bool, require_int
 from kvsieve.core.preset import Preset
@@ -110,12 +110,12 @@ class HybridSparse(Selector):
         store, view = step.store, step.view
         state = state_of(store)
         if self.k >= view.length:
-            state.record(store, store.total_entries() * kv_entry_bytes(store))
+            state.record(store, store.kv_nbytes())
             return None
         pages = hook_of(store, MemberPages if self.filtered else PageMinMax)
         assert isinstance(pages, MemberPages | PageMinMax)
         if state.dirty:
-            held = pages.max_count if isinstance(pages, MemberPages) else store.max_length
+            held = pages.max_count if isinstance(pages, MemberPages) else store.held_max_length
             page, k1 = hsa_shape(held, self.k, store.head_dim)
             page, k1 = self.page_size or page, min(self.k1 or k1, store.head_dim)
             if page != pages.page_size:
@@ -143,9 +143,8 @@ class HybridSparse(Selector):
             chosen = members.gather(-1, local)
         else:
             chosen = top_tokens_of_pages(scores, pages.page_size, view.length, top, view.valid)
-        batch, kv_heads = chosen.shape[:2]
         page_reads = held_pages.sum() * k1 * kmax.element_size()
-        state.record(store, page_reads + batch * kv_heads * chosen.shape[-1] * kv_entry_bytes(store))
+        state.record(store, page_reads + selected_nbytes(store, chosen))
         return per_query_head(chosen, step.groups)
 
 

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.cache.pages import PageMinMax
-from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
+from kvsieve.cache.selection_state import SelectionState, hook_of, selected_nbytes, state_of
 from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.core.part import require_int
 from kvsieve.core.preset import Preset
@@ -81,12 +81,12 @@ class Quest(Selector):
         length = view.length
         state = state_of(store)
         if self.k >= length:
-            state.record(store, store.total_entries() * kv_entry_bytes(store))
+            state.record(store, store.kv_nbytes())
             return None
         pages = hook_of(store, PageMinMax)
         assert isinstance(pages, PageMinMax)
         if state.dirty:
-            size = self.configure(store.max_length)
+            size = self.configure(store.held_max_length)
             if size != pages.page_size:
                 pages.page_size = size
                 pages.after_layout(store)
@@ -102,7 +102,7 @@ class Quest(Selector):
         # traffic: per group, page and dimension, Kmax if any head has q_i > 0, Kmin if any has q_i < 0
         per_page = (query > 0).any(dim=2).sum(dim=-1) + (query < 0).any(dim=2).sum(dim=-1)  # (b, kv)
         page_reads = (per_page * held_pages.sum(dim=-1)).sum() * kmax.element_size()
-        state.record(store, page_reads + chosen.shape[0] * chosen.shape[1] * chosen.shape[2] * kv_entry_bytes(store))
+        state.record(store, page_reads + selected_nbytes(store, chosen))
         return per_query_head(chosen, step.groups)
 
 

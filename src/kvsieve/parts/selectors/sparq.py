@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.cache.selection_state import SelectionState, hook_of, kv_entry_bytes, state_of
+from kvsieve.cache.selection_state import SelectionState, hook_of, selected_nbytes, state_of
 from kvsieve.cache.store import LayerStore, StoreHook
 from kvsieve.cache.value_mean import ValueSum
 from kvsieve.core.part import require_int
@@ -79,10 +79,10 @@ class SparQ(Selector):
         length, dim = view.length, store.head_dim
         state = state_of(store)
         if self.k >= length:
-            state.record(store, store.total_entries() * kv_entry_bytes(store))
+            state.record(store, store.kv_nbytes())
             return None
         if state.dirty:
-            state.config = {"r": self.configure(store.max_length, dim)}
+            state.config = {"r": self.configure(store.held_max_length, dim)}
             state.dirty = False
         r = state.config["r"]
         top = min(self.top or split_budget(self.k), length)
@@ -104,7 +104,8 @@ class SparQ(Selector):
         values = hook_of(store, ValueSum)
         assert isinstance(values, ValueSum)
         mean = values.mean(store, step.lengths())  # (b, kv, d)
-        read = batch * kv_heads * (length * r * store.keys.element_size() + top * kv_entry_bytes(store) + dim * 4)
+        # the approximation reads r columns of the dense view's keys (quantized ones counted as dequantized)
+        read = batch * kv_heads * (length * r * store.keys.element_size() + dim * 4) + selected_nbytes(store, chosen)
         state.record(store, read)
         return Selection(
             indices=per_query_head(chosen, groups),
