@@ -266,3 +266,31 @@ def test_multi_turn_generate_full_matches_sdpa(arch, model, ref_model):
     assert torch.equal(seq, ref_seq)
     assert_logits_match(arch, logits, ref_logits, first_exact=False)
     assert cache.get_seq_length() == dyn.get_seq_length() == 20 + 5 + 7 + 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_decoding_step_takes_the_plain_path_and_equals_the_general_step(arch, fresh_model, dtype, monkeypatch):
+    """``full`` decodes through :meth:`Engine._plain_decoding_step` (append in place, transformers' SDPA call) on
+    its uniform layers: bit for bit what the general step (describe, attend, observe, plan) gives it."""
+    from kvsieve.engine.engine import Engine
+
+    model = fresh_model(arch).to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=4)
+    original = Engine._plain_decoding_step
+    taken: list[bool] = []
+
+    def counted(self, *args):
+        output = original(self, *args)
+        taken.append(output is not None)
+        return output
+
+    monkeypatch.setattr(Engine, "_plain_decoding_step", counted)
+    cache = kvsieve.KVCache(model, "full")
+    fast_seq, fast_logits = generate(model, ids, cache, STEPS)
+    # every decoding forward of every layer but the sliding-window ones (they take the general step) ran it
+    assert all(taken) and len(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
+    general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, "full"), STEPS)
+    assert torch.equal(fast_seq, general_seq)
+    for fast, general in zip(fast_logits, general_logits, strict=True):
+        assert torch.equal(fast, general)

@@ -217,6 +217,14 @@ class StoreLayout:
         t = self.extras[name]
         return t.view(self.batch, self.heads, self._uniform[1], *t.shape[1:])
 
+    def held_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A uniform layout's held keys and values ``(batch, heads, L, d)``: zero-copy views, no positions or side
+        data (what a decoding step that only attends needs)."""
+        assert self._uniform is not None
+        keys, values, _ = self.capacity_views()
+        length = self._uniform[0]
+        return keys.narrow(2, 0, length), values.narrow(2, 0, length)
+
     def dense(self) -> DenseView:
         """Padded view ``(batch, heads, L, ...)`` of all entries; ``valid`` is None if nothing is padded."""
         if self._dense_cache is not None:

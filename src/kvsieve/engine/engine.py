@@ -41,6 +41,7 @@ from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.actions.base import Action
 from kvsieve.policies.policy import Policy
+from kvsieve.transformers_adapter import sdpa_attention
 
 __all__ = ["Engine", "LayerState"]
 
@@ -61,6 +62,8 @@ class Engine:
         self._needs = (policy.scorer.needs() if policy.scorer is not None else frozenset()) | policy.allocator.needs()
         #: The action attends over the held entries as stored (EMS with positions expands merged centres).
         self._plain_action = type(policy.action).expanded is Action.expanded
+        #: Nothing to observe, plan or select at a decoding step (``full``): :meth:`_plain_decoding_step`.
+        self._observes_nothing = policy.scorer is None and policy.selector is None and not policy.expand_gqa
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
@@ -156,6 +159,10 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
+        if q_len == 1 and self._observes_nothing and sliding_window is None and not form.explicit:
+            output = self._plain_decoding_step(layer, module, query, new_keys, new_values, attention_mask, form)
+            if output is not None:
+                return output
         call = LayerCall(
             layer, module, query, new_keys, new_values, self._padding(attention_mask), form, sliding_window,
             layer.take_layer_inputs(),
@@ -165,6 +172,28 @@ class Engine:
         if block >= q_len:
             return self._step(call)
         return torch.cat([self._step(part) for part in call.blocks(block, seen)], dim=1)
+
+    def _plain_decoding_step(
+        self, layer: LayerState, module: torch.nn.Module, query: torch.Tensor, new_keys: torch.Tensor,
+        new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
+    ) -> torch.Tensor | None:
+        """A decoding step of a policy that neither observes nor compacts (``full``): append in place and call
+        transformers' SDPA over the held entries — what :meth:`_step` does for it (no scorer to observe, no plan,
+        no selector, nothing compacted so never the packed call), without describing the step first. None (the
+        general step runs instead) unless the store is uniform, holds entries, keeps no side data, hooks or tiers,
+        and the new token is real in every row. Equality with the general step is tested bit for bit."""
+        store = layer.store
+        assert store is not None
+        seen = layer.seen
+        if self.probe is not None or seen == 0 or not store.is_uniform or store.extras or store.hooks \
+                or store.tiers or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
+            return None
+        store.append(new_keys, new_values, seen, None)
+        layer.seen = seen + 1
+        layer.forwards += 1
+        layer.take_layer_inputs()
+        keys, values = store.held_views()
+        return sdpa_attention(module, query, keys, values, None, form.scaling)
 
     def observe_only(
         self,
