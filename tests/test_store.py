@@ -376,3 +376,40 @@ def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(cou
         assert same_entries(plain, reserved)
     reserved.append(*kv(1, seed=50), 7, None)  # the fourth does not fit
     assert reserved.keys is not buffer
+
+
+@pytest.mark.parametrize("reserve", [0, 2])
+def test_keeping_as_many_in_every_segment_of_a_uniform_store_stays_uniform(reserve, monkeypatch):
+    """Every-step decoding eviction (each head drops one entry): one gather per buffer, the layout stays uniform,
+    the kept entries are the originals in order, reserved rows repeat each segment's last kept row, and the
+    returned source rows are what the general path returns."""
+    store = make_store()
+    keys, values = kv(6, seed=23)
+    store.append(keys, values, 0, None)
+    store.ensure_extra("acc")
+    store.add_dense("acc", torch.rand(B, H, 6, generator=torch.Generator().manual_seed(5)))
+    before = {name: t.clone() for name, t in (("keys", store.keys), ("values", store.values),
+                                              ("positions", store.positions), ("acc", store.extras["acc"]))}
+    local = torch.tensor([[0, 1, 2, 4, 5], [1, 2, 3, 4, 5], [0, 2, 3, 4, 5], [0, 1, 2, 3, 4], [0, 1, 3, 4, 5],
+                          [1, 2, 3, 4, 5]])
+    cap = int(store.capacity[0])  # the prompt's rows plus growth slack
+    calls = []
+    original = type(store)._keep_uniform
+
+    def spy(self, *args):
+        calls.append(args[1])
+        return original(self, *args)
+
+    monkeypatch.setattr(type(store), "_keep_uniform", spy)
+    with store.reserving(reserve):
+        rows = store.keep(local, torch.full((B * H,), 5))
+    assert calls == [5] and store.is_uniform and store.capacity.tolist() == [5 + reserve] * (B * H)
+    assert torch.equal(rows, (torch.arange(B * H)[:, None] * cap + local).reshape(-1))
+    padded = torch.cat([local, local[:, -1:].expand(-1, reserve)], dim=1)
+    flat = (torch.arange(B * H)[:, None] * cap + padded).reshape(-1)
+    assert torch.equal(store.keys, before["keys"][flat]) and torch.equal(store.values, before["values"][flat])
+    assert torch.equal(store.positions, before["positions"][flat])
+    assert torch.equal(store.extras["acc"], before["acc"][flat])
+    view = store.dense()
+    assert view.valid is None and torch.equal(view.keys, keys.reshape(B * H, 6, D)[
+        torch.arange(B * H)[:, None], local].view(B, H, 5, D))

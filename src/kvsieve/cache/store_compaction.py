@@ -40,6 +40,9 @@ class StoreCompaction(StoreLayout):
         callers that merge.
         """
         counts = counts.to(torch.long).cpu().reshape(-1)
+        kept = int(counts[0]) if counts.numel() else 0
+        if self._uniform is not None and kept and bool((counts == kept).all()):
+            return self._keep_uniform(local_index[:, :kept], kept)
         width = local_index.shape[1]
         mask = torch.arange(width)[None, :] < counts[:, None]
         src = (self.start[:, None].to(local_index.device) + local_index)[mask.to(local_index.device)]
@@ -62,6 +65,26 @@ class StoreCompaction(StoreLayout):
         self.keys, self.values, self.positions = take(self.keys), take(self.values), take(self.positions)
         self.extras = {name: take(t) for name, t in self.extras.items()}
         self._set_ragged(new_start, counts, capacity if total else counts.clone())
+        self._layout_changed()
+        return src
+
+    def _keep_uniform(self, local_index: torch.Tensor, kept: int) -> torch.Tensor:
+        """:meth:`keep` of a uniform store where every segment keeps ``kept`` entries: the layout stays uniform
+        (``kept`` entries and the reserved rows per segment, which repeat the last kept one), one gather per
+        buffer and no host work beyond the layout's two ints (every-step decoding eviction takes this path)."""
+        assert self._uniform is not None
+        cap = self._uniform[1]
+        local = local_index.to(self.device)
+        first_row = torch.arange(self.segments, device=self.device)[:, None] * cap
+        src = (first_row + local).reshape(-1)
+        if self._reserve:
+            local = torch.cat([local, local[:, -1:].expand(-1, self._reserve)], dim=1)
+        rows = (first_row + local).reshape(-1)
+        self.keys, self.values, self.positions = (
+            self.keys.index_select(0, rows), self.values.index_select(0, rows), self.positions.index_select(0, rows)
+        )
+        self.extras = {name: t.index_select(0, rows) for name, t in self.extras.items()}
+        self._set_uniform(kept, kept + self._reserve)
         self._layout_changed()
         return src
 

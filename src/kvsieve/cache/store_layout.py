@@ -111,14 +111,23 @@ class StoreLayout:
             return torch.full((self.segments,), self._uniform[1], dtype=torch.long)
         return self._capacity
 
-    def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor) -> None:
-        """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
+    def _forget_layout(self) -> None:
+        """Drop everything derived from the old layout and buffers."""
         self._dense_cache = None
         self._gather_cache = None
         self._next_rows = self._next_cols = None
         self._appended = None
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
+
+    def _set_uniform(self, length: int, capacity: int) -> None:
+        """Adopt a uniform layout of ``length`` entries in ``capacity`` rows per segment, back to back."""
+        self._forget_layout()
+        self._uniform = (length, capacity)
+
+    def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor) -> None:
+        """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
+        self._forget_layout()
         segs = self.segments
         if segs == 0:
             self._uniform = (0, 0)

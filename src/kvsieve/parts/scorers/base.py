@@ -33,7 +33,8 @@ def protect_recent(scores: torch.Tensor, step: LayerStep, recent: int | torch.Te
     recent_t = torch.as_tensor(recent, device=scores.device)
     is_recent = offsets.view(1, 1, -1) >= (lengths - recent_t).unsqueeze(-1)
     out = scores.float().masked_fill(is_recent, math.inf)
-    return out.masked_fill(~step.entry_valid(), -math.inf)
+    valid = step.view.valid
+    return out if valid is None else out.masked_fill(~valid, -math.inf)
 
 
 def protect_sinks_and_recent(scores: torch.Tensor, step: LayerStep, sinks: int, recent: int) -> torch.Tensor:
