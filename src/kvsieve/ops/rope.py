@@ -19,6 +19,7 @@ with the same (scaled) ``cos, sin``.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,27 @@ def uses_rope(config: Any, layer_idx: int) -> bool:
     return flags is None or bool(flags[layer_idx])
 
 
+#: Tables already built, per config object (dropped with it) and (layer, device): EMS plans every layer at every
+#: decoding step under ``schedule="decode"``, and reading the config and building the frequencies each time cost
+#: ~60 µs per layer and step.
+_TABLES: weakref.WeakKeyDictionary[Any, dict[tuple[int, str], RotaryTable]] = weakref.WeakKeyDictionary()
+
+
 def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu") -> RotaryTable:
-    """The rotary table layer ``layer_idx`` of a model with ``config`` rotates its keys with (identity for NoPE)."""
+    """The rotary table layer ``layer_idx`` of a model with ``config`` rotates its keys with (identity for NoPE);
+    built once per config, layer and device (:data:`_TABLES`)."""
+    try:
+        known = _TABLES.setdefault(config, {})
+    except TypeError:  # a config that cannot be weakly referenced: built every time
+        return _build_rotary_table(config, layer_idx, device)
+    key = (layer_idx, str(torch.device(device)))
+    table = known.get(key)
+    if table is None:
+        table = known[key] = _build_rotary_table(config, layer_idx, device)
+    return table
+
+
+def _build_rotary_table(config: Any, layer_idx: int, device: torch.device | str) -> RotaryTable:
     config = getattr(config, "text_config", None) or config
     if not uses_rope(config, layer_idx):
         return RotaryTable(torch.zeros(0, device=device, dtype=torch.float32), 1.0, 0)
@@ -96,8 +116,10 @@ def rotary_table(config: Any, layer_idx: int, device: torch.device | str = "cpu"
 def cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` ``(..., rotary_dim)`` of ``positions`` ``(...)``, scaled by the attention factor (float32)."""
     freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * table.scaling, emb.sin() * table.scaling
+    cos, sin = freqs.cos(), freqs.sin()  # each half once (transformers takes both of ``cat(freqs, freqs)``)
+    if table.scaling != 1.0:
+        cos, sin = cos * table.scaling, sin * table.scaling
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
