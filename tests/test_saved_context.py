@@ -22,6 +22,9 @@ QUESTIONS = ["Which box holds item 12?", "Name a box."]
 POLICIES = [
     ("snapkv", {"window": 8}), ("h2o", {"schedule": "decode"}), ("restkv", {"window": 8}),
     ("ada_restkv", {"window": 8}), ("quest", {}), ("rocketkv_mt", {}), ("ems", {}), ("full", {}),
+    # selectors over quantized tiers: pages and sums rebuilt from the restored combined view
+    ("rocketkv", {"window": 8, "action": "quantize", "bits": 4, "low_share": 0.5, "group": 8}),
+    ("mixed", {"window": 8, "selector": "sparq", "group": 8}),
 ]
 
 
