@@ -101,7 +101,7 @@ class MemberPages(StoreHook):
             segments = torch.searchsorted(start + store.capacity.to(device), rows, right=True)
             local = rows - start[segments]
         if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
-            local = local + store.tier_lengths().to(device)[segments]
+            local = local + store.tier_lengths_on(device)[segments]
         if self.max_count + 1 > self.cap:
             self._grow(store, self.max_count + 1 + MEMBER_GROWTH)
         slot = self.count[segments]

@@ -84,7 +84,7 @@ class PageMinMax(StoreHook):
             segments = torch.searchsorted(ends, rows, right=True)
             local = rows - start[segments]
         if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
-            local = local + store.tier_lengths().to(device)[segments]
+            local = local + store.tier_lengths_on(device)[segments]
         page = local // self.page_size
         needed = int(page.max()) + 1 if page.numel() else 0
         if needed > self.slots:

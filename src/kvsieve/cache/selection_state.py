@@ -77,12 +77,10 @@ def selected_nbytes(store: LayerStore, chosen: torch.Tensor, values_only: bool =
     """Bytes of the entries at indices ``chosen`` ``(batch, kv_heads or q_heads, k)`` into the dense view, as
     held: a full-precision key + value (or value alone) each, a quantized one its tier's share of its group's
     codes, steps and minimums (a 0-dim tensor then, summed on the device: no host sync)."""
-    full = store.values.element_size() * store.head_dim if values_only else kv_entry_bytes(store)
     if not store.tiered:
-        return chosen.numel() * full
+        return chosen.numel() * (store.values.element_size() * store.head_dim if values_only else kv_entry_bytes(store))
     tier_of, _ = store.origins()  # (batch, kv_heads, L): 0 full precision, t ≥ 1 tier t - 1
-    table = torch.tensor([full, *(tier.group_nbytes(values_only) / tier.group for tier in store.tiers)],
-                         dtype=torch.float64, device=chosen.device)
+    table = store.entry_nbytes_on(chosen.device, values_only)
     index = chosen.reshape(chosen.shape[0], tier_of.shape[1], -1)  # a query head's picks under its KV head
     return table[tier_of.to(chosen.device).gather(2, index)].sum()
 

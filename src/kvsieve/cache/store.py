@@ -46,6 +46,7 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
         #: Lower-precision tiers (:mod:`kvsieve.cache.store_tiers`); empty unless a policy quantizes.
         self.tiers = []
         self._combined = None
+        self._derived = {}
         #: Side data that :meth:`write_rows` (a merge) or :meth:`restore` may have set away from its fill (host
         #: bookkeeping: a field not named here still holds its fill everywhere, e.g. every merge count is 1).
         self.written_sides: set[str] = set()

@@ -33,6 +33,8 @@ class StoreTiers(StoreCompaction):
 
     tiers: list[QuantizedTier]
     _combined: tuple[DenseView, DenseView, torch.Tensor, torch.Tensor, tuple[int, ...]] | None
+    #: Small tensors derived from the tiers' bookkeeping, per device (cleared whenever the tiers change).
+    _derived: dict[tuple[object, ...], torch.Tensor]
 
     def add_tier(self, bits: int, group: int, value_group: int) -> int:
         """Create a tier at ``bits`` bits (KIVI groups of ``group`` tokens, ``value_group`` channels); its index."""
@@ -41,6 +43,7 @@ class StoreTiers(StoreCompaction):
             tier.ensure_side(spec)
         self.tiers.append(tier)
         self._combined = None
+        self._derived = {}
         return len(self.tiers) - 1
 
     @property
@@ -55,6 +58,28 @@ class StoreTiers(StoreCompaction):
         for tier in self.tiers:
             out = out + tier.lengths()
         return out
+
+    def tier_lengths_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`tier_lengths` on ``device``, kept until the tiers change (a decoding append reads it at every step
+        of a selector's hooks: no host-to-device copy then)."""
+        cached = self._derived.get(("lengths", str(device)))
+        if cached is None:
+            cached = self._derived[("lengths", str(device))] = self.tier_lengths().to(device)
+        return cached
+
+    def entry_nbytes_on(self, device: torch.device, values_only: bool = False) -> torch.Tensor:
+        """Bytes one entry costs as held, per origin (0: the model dtype, ``t ≥ 1``: ``self.tiers[t - 1]``, its
+        share of its group's codes, steps and minimums), float64 on ``device``; keys and values, or values only.
+        Kept until the tiers change."""
+        key = ("entry_nbytes", str(device), values_only)
+        cached = self._derived.get(key)
+        if cached is None:
+            full = self.head_dim * (self.values.element_size() if values_only else
+                                    self.keys.element_size() + self.values.element_size())
+            cached = self._derived[key] = torch.tensor(
+                [full, *(tier.group_nbytes(values_only) / tier.group for tier in self.tiers)],
+                dtype=torch.float64, device=device)
+        return cached
 
     def tier_lengths(self) -> torch.Tensor:
         """Quantized entries per segment ``(segments,)`` (host tensor; zeros without tiers): a full-precision
@@ -257,6 +282,7 @@ class StoreTiers(StoreCompaction):
         finally:
             self._hooks_deferred = outer
             self._combined = None
+            self._derived = {}
         self._layout_changed()
 
     def _gather(self, view: DenseView, index: torch.Tensor, pick: torch.Tensor
