@@ -68,17 +68,12 @@ def hook_of(store: LayerStore, kind: type[StoreHook]) -> StoreHook:
     raise RuntimeError(f"the store has no {kind.__name__} hook (the selector's hooks() were not installed)")
 
 
-def kv_entry_bytes(store: LayerStore) -> int:
-    """Bytes of one key + value."""
-    return (store.keys.element_size() + store.values.element_size()) * store.head_dim
-
-
 def selected_nbytes(store: LayerStore, chosen: torch.Tensor, values_only: bool = False) -> int | torch.Tensor:
     """Bytes of the entries at indices ``chosen`` ``(batch, kv_heads or q_heads, k)`` into the dense view, as
     held: a full-precision key + value (or value alone) each, a quantized one its tier's share of its group's
     codes, steps and minimums (a 0-dim tensor then, summed on the device: no host sync)."""
     if not store.tiered:
-        return chosen.numel() * (store.values.element_size() * store.head_dim if values_only else kv_entry_bytes(store))
+        return chosen.numel() * store.full_entry_nbytes(values_only)
     tier_of, _ = store.origins()  # (batch, kv_heads, L): 0 full precision, t ≥ 1 tier t - 1
     table = store.entry_nbytes_on(chosen.device, values_only)
     index = chosen.reshape(chosen.shape[0], tier_of.shape[1], -1)  # a query head's picks under its KV head

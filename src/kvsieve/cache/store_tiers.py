@@ -3,14 +3,15 @@
 A store may own :class:`~kvsieve.cache.quantized_tier.QuantizedTier` objects (one per bit width). While
 any tier holds entries, the store's dense view is the **combined** view: per segment, every entry of
 every tier, in position order, dequantized to the model dtype, padded at the end — so the kernel,
-statistics and scorers read quantized entries exactly as they read full-precision ones, and "the first
-``n`` slots are the head's entries, newest last" holds as it does without tiers. :meth:`StoreTiers.keep`
-takes indices into that view and routes each kept entry to where it lives; :meth:`quantize` moves chosen
-full-precision entries into a tier. Without tier entries every method is the plain store's (no cost).
+statistics, scorers and selectors read quantized entries exactly as they read full-precision ones, and "the
+first ``n`` slots are the head's entries, newest last" holds as it does without tiers. :meth:`StoreTiers.keep`
+takes indices into that view, routes each kept entry to where it lives and moves the chosen full-precision
+entries into a tier. Without tier entries every method is the plain store's (no cost).
 
-Quantized entries carry no per-entry side data (a policy whose scorer keeps side data cannot quantize;
-:class:`~kvsieve.parts.actions.quantize.Quantize` refuses it). :meth:`StoreTiers.entries` and
-:meth:`StoreTiers.restore` save and load the tiers as held (packed), for saved contexts.
+A quantized entry keeps its side data per slot in its tier (:meth:`StoreTiers.add_dense` routes updates there).
+Hooks (a selector's pages and sums) read the combined view: an operation that changes the full-precision store
+and then the tiers tells them once, at its end (:meth:`StoreTiers._one_layout_change`). :meth:`StoreTiers.entries`
+and :meth:`StoreTiers.restore` save and load the tiers as held (packed), for saved contexts.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ class StoreTiers(StoreCompaction):
         key = ("entry_nbytes", str(device), values_only)
         cached = self._derived.get(key)
         if cached is None:
-            full = self.head_dim * (self.values.element_size() if values_only else
-                                    self.keys.element_size() + self.values.element_size())
             cached = self._derived[key] = torch.tensor(
-                [full, *(tier.group_nbytes(values_only) / tier.group for tier in self.tiers)],
+                [self.full_entry_nbytes(values_only), *(tier.group_nbytes(values_only) / tier.group
+                                                        for tier in self.tiers)],
                 dtype=torch.float64, device=device)
         return cached
+
+    def full_entry_nbytes(self, values_only: bool = False) -> int:
+        """Bytes of one full-precision key + value (or value alone)."""
+        return self.head_dim * (self.values.element_size() if values_only else
+                                self.keys.element_size() + self.values.element_size())
 
     def tier_lengths(self) -> torch.Tensor:
         """Quantized entries per segment ``(segments,)`` (host tensor; zeros without tiers): a full-precision
