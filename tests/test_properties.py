@@ -124,7 +124,7 @@ def policies(draw: st.DrawFn, name: str) -> tuple[str, dict[str, Any], kvsieve.P
         params["allocator"] = draw(st.sampled_from(["uniform", "pyramid", "adaptive", "global"]))
     if evicts and draw(st.integers(0, 7)) == 0:
         params["expand_gqa"] = True
-    if preset.action.quantizes and draw(st.integers(0, 2)) == 0:  # a selector reading the quantized tiers
+    if preset.action is not None and preset.action.quantizes and draw(st.integers(0, 2)) == 0:  # tiers + a selector
         params["selector"] = draw(st.sampled_from(["quest", "sparq", "hsa", "exact_topk"]))
     try:
         kvsieve.make_policy(name, **params)
