@@ -269,6 +269,20 @@ class StoreLayout:
         """Forget the cached dense view (after side data or entries changed in place)."""
         self._dense_cache = None
 
+    def view_nbytes(self) -> int:
+        """Bytes of cached views that copy entries (a ragged layout's gathered dense view; a uniform one's views
+        share the buffers and count 0): memory beyond :meth:`nbytes` while they live, 0 between engine steps."""
+        view = self._dense_cache
+        if view is None or self._uniform is not None:
+            return 0
+        return sum(t.nbytes for t in (view.keys, view.values, view.valid) if t is not None)
+
+    def release_views(self) -> None:
+        """Drop the views built for one layer step (the engine calls it when the step ends). A ragged layout's
+        dense view is a gathered copy of every held entry: kept between steps it would hold the layer's entries
+        twice until the next append invalidates it, and the next step rebuilds it anyway."""
+        self._dense_cache = None
+
 
 def _row_nbytes(t: torch.Tensor) -> int:
     per = t.element_size()

@@ -142,6 +142,19 @@ class StoreTiers(StoreCompaction):
         self._combined = (full, view, tier_of, slot_of, version)
         return view
 
+    def view_nbytes(self) -> int:
+        """Also the combined view (every entry dequantized, in position order) and its origin maps while cached."""
+        out = super().view_nbytes()
+        if self._combined is not None:
+            _, view, tier_of, slot_of, _ = self._combined
+            out += sum(t.nbytes for t in (view.keys, view.values, view.valid, tier_of, slot_of) if t is not None)
+        return out
+
+    def release_views(self) -> None:
+        """Also drop the combined view: every entry dequantized to the model dtype (several times the packed bytes)."""
+        super().release_views()
+        self._combined = None
+
     def attention_view(self) -> DenseView:
         """Every held entry for attention, **not** in position order: the full-precision view, then each tier's
         slots (:meth:`QuantizedTier.attention_parts`). Attention depends on the entries and their positions, not

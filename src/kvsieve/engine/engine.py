@@ -224,6 +224,7 @@ class Engine:
         if memo is not None:
             step._memo = memo
         self._after_output(call, step)
+        step.store.release_views()
 
     def _step(self, call: LayerCall) -> torch.Tensor:
         """One forward (or one block of it) of one layer: append → attend → observe → plan → act."""
@@ -241,6 +242,7 @@ class Engine:
         else:
             output = held_output(self.policy, self._row_configs, call, step, self._deferral.compactions > 0)
         self._after_output(call, step)
+        store.release_views()  # a gathered or dequantized view held between steps would double the memory
         return output
 
     def _fuses_statistics(self, call: LayerCall, step: LayerStep) -> bool:

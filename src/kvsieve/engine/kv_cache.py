@@ -378,7 +378,9 @@ class KVCache(Cache):
 
     def storage(self) -> dict[str, int]:
         """Bytes held, measured: ``kv`` (held keys and values), ``positions``, ``side`` (per-entry side data),
-        ``aux`` (store hooks: page min/max, value sums, member indices), ``allocated`` (all of it, slack included)."""
+        ``aux`` (store hooks: page min/max, value sums, member indices), ``allocated`` (all of it, slack included),
+        ``views`` (cached views that copy entries — a ragged layer's gathered view, a tiered layer's dequantized
+        view — beyond ``allocated``; the engine drops them when each layer step ends, so 0 between forwards)."""
         self.engine.flush()
         stores = [layer.store for layer in self.layers if layer.store is not None]
         positions = sum(s.total_entries() * s.positions.element_size() for s in stores)
@@ -389,6 +391,7 @@ class KVCache(Cache):
             "side": side,
             "aux": sum(hook.nbytes() for s in stores for hook in s.hooks),
             "allocated": sum(s.nbytes() for s in stores),
+            "views": sum(s.view_nbytes() for s in stores),
         }
 
     def traffic(self) -> dict[str, float]:
