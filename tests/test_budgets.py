@@ -375,9 +375,9 @@ def test_pyramid_is_uniform_below_twice_the_spare_budget(model):
 ])
 def test_no_copy_of_the_entries_outlives_a_layer_step(model, policy, params):
     """Memory is what the stores hold: the views a step builds from copies of the entries (a ragged layer's gathered
-    view, a tiered layer's dequantized view) are dropped when the step ends. Held until the next append, they kept
-    every such layer's entries twice — 0.8× the KV bytes for adakv, 6–8× for a quantized cache read by a selector
-    (dequantized in the model dtype) — without appearing in ``storage()``."""
+    view, a tiered layer's dequantized view) are dropped when the step ends. Held until the next append, they kept a
+    copy of every such layer's entries — on the default model at 4k, 1.3× the KV bytes more for adakv, 5× for kivi
+    read by quest (dequantized) — without appearing in ``storage()``."""
     cache = kvsieve.KVCache(model, policy, **params)
     ids = prompt(batch=2, length=PROMPT_LEN, seed=9)
     model(ids, **cache_kwargs(model, cache))
