@@ -149,3 +149,18 @@ def test_tier_side_data_survives_batch_selection_and_saving():
     view = store.dense()
     assert torch.equal(view.extras["acc"][0], expected.extras["acc"][1])
     assert torch.equal(view.extras["acc"][2], expected.extras["acc"][0])
+
+
+def test_a_trim_drops_quantized_entries_even_when_as_many_stay_as_are_in_full_precision():
+    """A sliding-window trim (``keep_positions_after``) of a tiered store counts the kept entries over every tier.
+    Here 8 of 12 entries per segment are quantized and the trim keeps the 4 newest — as many as are held in full
+    precision: the early return compared the kept count with the full-precision length alone and skipped the trim,
+    leaving the 8 quantized entries the window no longer sees."""
+    store, _, _ = _store()
+    low = [[0, 1, 2, 3, 4, 5, 6, 7]] * 4  # 8 quantized, 4 in full precision (positions 8–11)
+    store.keep(*_tiered(low, [[8, 9, 10, 11]] * 4))
+    assert store.full_lengths().flatten().tolist() == [4] * 4 and store.lengths().flatten().tolist() == [12] * 4
+    store.keep_positions_after(8)  # keeps 4 entries: as many as the full-precision length
+    assert store.lengths().flatten().tolist() == [4] * 4
+    view = store.dense()
+    assert torch.equal(view.positions, torch.arange(8, 12).expand(B, H, 4))
