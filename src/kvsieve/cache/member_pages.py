@@ -100,8 +100,7 @@ class MemberPages(StoreHook):
             start = store.start.to(device)
             segments = torch.searchsorted(start + store.capacity.to(device), rows, right=True)
             local = rows - start[segments]
-        if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
-            local = local + store.tier_lengths_on(device)[segments]
+        local = store.dense_slots(local, segments)  # after the segment's quantized entries, if any
         if self.max_count + 1 > self.cap:
             self._grow(store, self.max_count + 1 + MEMBER_GROWTH)
         slot = self.count[segments]

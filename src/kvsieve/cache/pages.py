@@ -83,8 +83,7 @@ class PageMinMax(StoreHook):
             ends = start + store.capacity.to(device)
             segments = torch.searchsorted(ends, rows, right=True)
             local = rows - start[segments]
-        if store.tiered:  # appends are the newest entries: after every quantized one in the combined view
-            local = local + store.tier_lengths_on(device)[segments]
+        local = store.dense_slots(local, segments)  # after the segment's quantized entries, if any
         page = local // self.page_size
         needed = int(page.max()) + 1 if page.numel() else 0
         if needed > self.slots:

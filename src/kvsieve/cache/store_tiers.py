@@ -68,6 +68,13 @@ class StoreTiers(StoreCompaction):
             cached = self._derived[("lengths", str(device))] = self.tier_lengths().to(device)
         return cached
 
+    def dense_slots(self, local: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """Slots in :meth:`dense` of newly appended full-precision entries at ``local`` slots of ``segments`` (device
+        tensors): appends are the newest entries, so they follow every quantized entry of their segment."""
+        if not self.tiered:
+            return local
+        return local + self.tier_lengths_on(local.device)[segments]
+
     def entry_nbytes_on(self, device: torch.device, values_only: bool = False) -> torch.Tensor:
         """Bytes one entry costs as held, per origin (0: the model dtype, ``t ≥ 1``: ``self.tiers[t - 1]``, its
         share of its group's codes, steps and minimums), float64 on ``device``; keys and values, or values only.
