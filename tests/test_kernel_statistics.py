@@ -142,22 +142,26 @@ def test_one_pass_output_and_column_sums(kind):
 
 
 def test_one_pass_output_matches_sdpa_in_bfloat16():
-    """On bfloat16 inputs (what the model runs) the one-pass output is the exact result (float64) rounded once
-    (within half an epsilon of bfloat16, relative, floor 2^-6), and never further from it than SDPA's own
-    output (which rounds its float32 work differently: up to ~10 epsilons on small outputs)."""
+    """On bfloat16 inputs (what the model runs) the one-pass output follows SDPA's own recipe (float32 logits
+    and softmax, probabilities rounded to bfloat16 for ``P·V``, float32 accumulation, one rounding of the
+    output), so its error from the exact result (float64) is of SDPA's size: the mean within 1.5× SDPA's, the
+    largest within 2× (measured: 3.0e-4 / 1.1e-2 against SDPA's 2.7e-4 / 8.0e-3), and the mean within two
+    bfloat16 epsilons of the outputs' size. (A float32 ``P·V`` would give the exact result rounded once, at
+    5–6× the cost of the bfloat16 product on CPUs with native bfloat16.)"""
     n = QUERY_BLOCK + 50
     query, keys, mask, _ = case("causal", n, seed=3)
     values = torch.randn(BATCH, KV_HEADS, n, D, generator=torch.Generator().manual_seed(4))
     q, k, v = query.bfloat16(), keys.bfloat16(), values.bfloat16()
     output, _ = attention_and_column_sums(q, k, v, mask, SCALE)
+    assert output.dtype == torch.bfloat16
 
     def sdpa(q, k, v):
         k, v = k.repeat_interleave(GROUPS, dim=1), v.repeat_interleave(GROUPS, dim=1)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE).transpose(1, 2)
 
     exact = sdpa(q.double(), k.double(), v.double())
-    floor = exact.abs().clamp(min=2.0**-6)
-    ours = ((output.double() - exact).abs() / floor).max()
-    theirs = ((sdpa(q, k, v).double() - exact).abs() / floor).max()
-    assert ours <= 0.5 * torch.finfo(torch.bfloat16).eps + 1e-9
-    assert ours <= theirs
+    ours = (output.double() - exact).abs()
+    theirs = (sdpa(q, k, v).double() - exact).abs()
+    assert ours.mean() <= 1.5 * theirs.mean()
+    assert ours.max() <= 2.0 * theirs.max()
+    assert ours.mean() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().mean()

@@ -29,8 +29,12 @@ import torch
 
 from kvsieve.transformers_adapter import sdpa_attention
 
-#: Queries per block when summing attention columns over many queries.
+#: Queries per block when summing attention columns over many queries, off the CPU (see
+#: :func:`query_block_rows`; on the CPU blocks are smaller, sized to the cache).
 QUERY_BLOCK = 256
+#: Bytes of float32 logits one CPU block aims at, and the bounds on its rows (:func:`query_block_rows`).
+CPU_BLOCK_BYTES = 24 * 2**20
+MIN_CPU_BLOCK, MAX_CPU_BLOCK = 16, 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -323,7 +327,7 @@ def column_maxima(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``max_t A[t, j]`` over all (non-padding) queries ``t``, shape ``(batch, q_heads, n)``, float32, computed in
-    blocks of :data:`QUERY_BLOCK` queries (``mask(lo, hi)``: the visibility of queries ``lo … hi − 1``), so the
+    blocks of queries (:func:`query_block_rows`; ``mask(lo, hi)``: the visibility of queries ``lo … hi − 1``), so the
     whole ``q × n`` attention is never held (KVzip's importance: the most attention an entry receives).
     Same blocks, cropping and masking as :func:`column_sums`; a padding query (``query_valid`` False) counts
     as attending to nothing."""
@@ -363,14 +367,33 @@ def attention_and_column_sums(
     """The attention output ``(batch, q, q_heads, d)`` (values' dtype) **and** :func:`column_sums` from one pass.
 
     The same blocks, logits and float32 probabilities as :func:`column_sums` (so the sums are bit-identical to
-    it) also give each block's output ``P·V`` (float32, cast once at the end) — the statistic H2O and EMS
-    accumulate costs no second ``q·k`` pass (the paper of EMS fuses it into the attention kernel the same way).
-    Queries that see no entry (padding) get a zero output. Against SDPA's output on the same entries the result
-    differs by float rounding only (summation order; ≤ 1 unit in the last place of bfloat16 observed).
+    it) also give each block's output ``P·V`` — the statistic H2O and EMS accumulate costs no second ``q·k``
+    pass (the paper of EMS fuses it into the attention kernel the same way). Float32 values give the float32
+    product; bfloat16/float16 values multiply the probabilities rounded to their dtype with float32
+    accumulation, as SDPA's CPU kernel and FlashAttention do (see :func:`_blockwise`). Queries that see no
+    entry (padding) get a zero output. Against SDPA's output on the same entries the result differs by float
+    rounding only (``test_kernel_statistics.py``: float32 within 1e-5 of the float64 reference; bfloat16 no
+    further from the exact result than SDPA's own output, within a few units in the last place).
     """
     output, total = _blockwise(query, keys, values, mask, form, query_weight, bias)
     assert output is not None
     return output, total
+
+
+def query_block_rows(batch: int, q_heads: int, n: int, device: torch.device) -> int:
+    """Queries per block of the blockwise passes over ``n`` entries.
+
+    On the CPU a block's float32 logits ``(batch, q_heads, rows, n)`` are kept near :data:`CPU_BLOCK_BYTES`
+    (the largest power of two of rows that fits, between 16 and 64), so the logits, their softmax and
+    the ``P·V`` product stay in the cache: measured at 1k–8k entries, batch 1–8, 9 query heads, this is
+    1.5–2× faster than 256-row blocks (``benchmarks/statistics_prefill.py``). Elsewhere (a GPU) blocks
+    are :data:`QUERY_BLOCK` rows: each block costs one host read, and device memory is not the limit.
+    """
+    if device.type != "cpu":
+        return QUERY_BLOCK
+    fitting = CPU_BLOCK_BYTES // max(1, batch * q_heads * n * 4)
+    rows = 1 << max(0, int(fitting).bit_length() - 1)
+    return max(MIN_CPU_BLOCK, min(MAX_CPU_BLOCK, rows))
 
 
 def _blockwise(
@@ -385,21 +408,30 @@ def _blockwise(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Column sums (``reduce="sum"``) or maxima (``"max"``; probabilities are non-negative, so a zero start and
     zero-weighted padding queries change nothing) and, with ``values``, the output: see :func:`column_sums`,
-    :func:`column_maxima` and :func:`attention_and_column_sums`."""
+    :func:`column_maxima` and :func:`attention_and_column_sums`.
+
+    Logits and probabilities are float32. The output's ``P·V`` follows SDPA's CPU kernel and FlashAttention:
+    float32 values multiply float32 probabilities; bfloat16/float16 values multiply the probabilities rounded
+    to their dtype, accumulated in float32 by the matrix product and rounded once (5–6× faster than a float32
+    product on CPUs with native bfloat16). Column sums are ``w·P`` (``w``: the query weights) as one product.
+    """
     form = as_form(form)
     sinks = _grouped_sinks(form, keys.shape[1])
-    batch, q_heads, q_len, _ = query.shape
-    kv_heads = keys.shape[1]
-    total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=query.device)
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads
+    total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
     output = None
     if values is not None:
-        output = torch.zeros(batch, kv_heads, groups, q_len, values.shape[-1], dtype=torch.float32,
+        reduced = values.dtype in (torch.bfloat16, torch.float16)
+        values = values if reduced else values.float()  # once per call, not per block
+        output = torch.empty(batch, kv_heads, groups, q_len, values.shape[-1], dtype=values.dtype,
                              device=query.device)
-        values = values.float()  # once per call, not per block
     keys = keys.float()
-    for lo in range(0, q_len, QUERY_BLOCK):
-        hi = min(lo + QUERY_BLOCK, q_len)
+    scaled = query.float() * form.scaling  # scale the small side, once
+    rows = query_block_rows(batch, q_heads, n, query.device)
+    for lo in range(0, q_len, rows):
+        hi = min(lo + rows, q_len)
         block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
         columns = block_mask.flatten(0, -2)
         seen = any_along(columns, 0)
@@ -410,9 +442,14 @@ def _blockwise(
         ]).tolist()
         limit, first_hidden = bounds[0] + 1, bounds[1]
         if limit == 0:
+            if output is not None:
+                output[:, :, :, lo:hi] = 0
             continue
-        block_bias = None if bias is None else bias[..., :limit]
-        logits = attention_logits(query[:, :, lo:hi], keys[:, :, :limit], form, block_bias)
+        grouped = scaled[:, :, lo:hi].reshape(batch, kv_heads, groups * (hi - lo), dim)
+        logits = form.cap(torch.matmul(grouped, keys[:, :, :limit].transpose(-1, -2)))
+        logits = logits.view(batch, kv_heads, groups, hi - lo, limit)
+        if bias is not None:
+            logits = logits + bias[..., :limit].float()[:, :, None, None, :]
         if first_hidden < limit:
             hidden = ~block_mask[..., first_hidden:limit].unsqueeze(2)
             logits[..., first_hidden:limit].masked_fill_(hidden, float("-inf"))
@@ -420,16 +457,19 @@ def _blockwise(
         if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
         if output is not None and values is not None:  # (b, kv, g·q, n) @ (b, kv, n, d): no broadcast copies
-            block = torch.matmul(probs.reshape(batch, kv_heads, groups * (hi - lo), limit), values[:, :, :limit])
-            output[..., lo:hi, :] = block.view(batch, kv_heads, groups, hi - lo, -1)
-        if query_weight is not None:
-            probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
+            flat = probs.reshape(batch, kv_heads, groups * (hi - lo), limit).to(values.dtype)
+            block = torch.matmul(flat, values[:, :, :limit])
+            output[:, :, :, lo:hi] = block.view(batch, kv_heads, groups, hi - lo, -1)
         if reduce == "max":
-            total[..., :limit] = torch.maximum(total[..., :limit], probs.amax(dim=3).view(batch, q_heads, limit))
+            if query_weight is not None:
+                probs = probs * query_weight[:, None, None, lo:hi, None].to(probs.dtype)
+            total[..., :limit] = torch.maximum(total[..., :limit], probs.amax(dim=3))
         else:
-            total[..., :limit] += probs.sum(dim=3).view(batch, q_heads, limit)
+            weight = (torch.ones(1, 1, 1, 1, hi - lo, device=query.device) if query_weight is None
+                      else query_weight[:, None, None, None, lo:hi].to(torch.float32))
+            total[..., :limit] += torch.matmul(weight, probs).squeeze(3)
+    total = total.view(batch, q_heads, n)
     if output is None:
         return None, total
-    assert values is not None
     out = output.view(batch, q_heads, q_len, -1).transpose(1, 2)
     return out.to(query.dtype).contiguous(), total
