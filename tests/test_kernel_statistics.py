@@ -12,6 +12,7 @@ import torch
 
 from kvsieve.attention.kernel import (
     QUERY_BLOCK,
+    Visibility,
     all_along,
     any_along,
     attention_and_column_maxima,
@@ -165,3 +166,49 @@ def test_one_pass_output_matches_sdpa_in_bfloat16():
     assert ours.mean() <= 1.5 * theirs.mean()
     assert ours.max() <= 2.0 * theirs.max()
     assert ours.mean() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().mean()
+
+
+@pytest.mark.parametrize("kind", ["causal", "padded", "window", "shuffled", "shuffled_window"])
+@pytest.mark.parametrize("first", [0, 40])
+def test_visibility_bounds_give_the_same_blocks_as_the_reduced_mask(kind, first):
+    """:class:`Visibility` finds each block's cropped and masked columns from one comparison per column; the
+    blockwise passes then give bit for bit what the same mask given as a function gives (which reduces the
+    whole block mask), with several blocks, left padding, a sliding window, entries out of position order
+    (after a merge or a tier's view) and queries that continue a prompt (``first`` > 0)."""
+    n = 2 * QUERY_BLOCK + 77
+    q_len = n - first
+    generator = torch.Generator().manual_seed(first + len(kind))
+    query = torch.randn(BATCH, Q_HEADS, q_len, D, generator=generator)
+    keys = torch.randn(BATCH, KV_HEADS, n, D, generator=generator)
+    values = torch.randn(BATCH, KV_HEADS, n, D, generator=generator)
+    positions = torch.arange(n).view(1, 1, n).expand(BATCH, KV_HEADS, n).clone()
+    valid = None
+    window = 100 if kind.endswith("window") else None
+    if kind == "padded":
+        valid = torch.ones(BATCH, KV_HEADS, n, dtype=torch.bool)
+        valid[0, :, :37] = False
+    if kind.startswith("shuffled"):
+        positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(BATCH * KV_HEADS)])
+        positions = positions.view(BATCH, KV_HEADS, n)
+    visibility = Visibility(first, positions, valid, window)
+
+    def reduced(lo: int, hi: int) -> torch.Tensor:
+        return visibility_mask(torch.arange(first + lo, first + hi), positions, valid, window)
+
+    for lo, hi in ((0, 16), (16, 80), (q_len - 16, q_len)):
+        assert torch.equal(visibility(lo, hi), reduced(lo, hi))
+        mask = reduced(lo, hi).flatten(0, -2)
+        seen, everyone = mask.any(dim=0), mask.all(dim=0)
+        limit, first_hidden = visibility.bounds(lo, hi)
+        assert limit == (int(seen.nonzero().max()) + 1 if seen.any() else 0)
+        assert first_hidden == (int((~everyone).nonzero().min()) if not everyone.all() else n)
+    weight = torch.ones(BATCH, q_len)
+    weight[1, 3:6] = 0.0
+    for fast, slow in ((column_sums(query, keys, visibility, SCALE, weight),
+                        column_sums(query, keys, reduced, SCALE, weight)),
+                       (column_maxima(query, keys, visibility, SCALE), column_maxima(query, keys, reduced, SCALE))):
+        assert torch.equal(fast, slow)
+    fast_out, fast_sums = attention_and_column_sums(query, keys, values, visibility, SCALE, weight)
+    slow_out, slow_sums = attention_and_column_sums(query, keys, values, reduced, SCALE, weight)
+    assert torch.equal(fast_out, slow_out) and torch.equal(fast_sums, slow_sums)
+    assert not torch.isnan(fast_out).any()

@@ -146,6 +146,60 @@ def visibility_mask(
     return mask
 
 
+@dataclass(frozen=True, eq=False)
+class Visibility:
+    """The visibility of a forward's queries over held entries, block by block, for the blockwise passes.
+
+    Queries are the consecutive positions ``first_query … first_query + q − 1`` (a forward's tokens); keys are
+    held entries with ``key_positions`` ``(batch, kv_heads, n)``, ``key_valid`` (real entries; None: all) and an
+    optional sliding window. Calling it with ``(lo, hi)`` gives :func:`visibility_mask` of queries
+    ``lo … hi − 1``. :meth:`bounds` finds a block's last visible column and first column some query cannot see
+    from one comparison per column (``O(n)``, not the ``O(q·n)`` of reducing the block's mask), so under a
+    causal prefill only the block's diagonal square is ever masked (:meth:`region`).
+    """
+
+    first_query: int
+    key_positions: torch.Tensor
+    key_valid: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+    def query_positions(self, lo: int, hi: int) -> torch.Tensor:
+        return torch.arange(self.first_query + lo, self.first_query + hi, device=self.key_positions.device)
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        return visibility_mask(self.query_positions(lo, hi), self.key_positions, self.key_valid, self.sliding_window)
+
+    def region(self, lo: int, hi: int, start: int, stop: int) -> torch.Tensor:
+        """The mask of queries ``lo … hi − 1`` over columns ``start … stop − 1`` only."""
+        valid = None if self.key_valid is None else self.key_valid[..., start:stop]
+        return visibility_mask(self.query_positions(lo, hi), self.key_positions[..., start:stop], valid,
+                               self.sliding_window)
+
+    def bounds(self, lo: int, hi: int) -> tuple[int, int]:
+        """``(limit, first_hidden)`` of queries ``lo … hi − 1``: one past the last column some query sees, and
+        the first column some query cannot see (``n`` if none); one host read."""
+        newest, oldest = self.first_query + hi - 1, self.first_query + lo
+        positions = self.key_positions.flatten(0, -2)
+        seen = positions <= newest  # some query of the block sees the entry ...
+        everyone = positions <= oldest  # ... every query does
+        if self.sliding_window is not None:
+            seen = seen & (oldest - positions < self.sliding_window)
+            everyone = everyone & (newest - positions < self.sliding_window)
+        if self.key_valid is not None:
+            valid = self.key_valid.flatten(0, -2)
+            seen, everyone = seen & valid, everyone & valid
+        return _column_bounds(any_along(seen, 0), all_along(everyone, 0))
+
+
+def _column_bounds(seen: torch.Tensor, everyone: torch.Tensor) -> tuple[int, int]:
+    """One past the last True of ``seen`` and the first False of ``everyone`` (``n`` if none), one host read."""
+    index = torch.arange(seen.shape[0], device=seen.device)
+    bounds = torch.stack([
+        torch.where(seen, index, -1).max(), torch.where(everyone, seen.shape[0], index).min(),
+    ]).tolist()
+    return bounds[0] + 1, bounds[1]
+
+
 def output_mask(
     query_positions: Callable[[], torch.Tensor],
     key_positions: Callable[[], torch.Tensor],
@@ -396,6 +450,27 @@ def query_block_rows(batch: int, q_heads: int, n: int, device: torch.device) -> 
     return max(MIN_CPU_BLOCK, min(MAX_CPU_BLOCK, rows))
 
 
+def _block_visibility(
+    mask: torch.Tensor | Callable[[int, int], torch.Tensor], lo: int, hi: int
+) -> tuple[int, int, torch.Tensor | None, bool]:
+    """For queries ``lo … hi − 1``: one past the last column some query sees (``limit``), the first column some
+    query cannot see (``first_hidden``), the hidden columns ``first_hidden … limit − 1`` (None if none) and
+    whether some query sees no column at all (its softmax row would be NaN)."""
+    if isinstance(mask, Visibility):
+        limit, first_hidden = mask.bounds(lo, hi)
+        if first_hidden >= limit:
+            return limit, first_hidden, None, False
+        region = mask.region(lo, hi, first_hidden, limit)
+        # every query sees the columns before ``first_hidden``: only a block hiding column 0 can blind a query
+        return limit, first_hidden, ~region, first_hidden == 0 and some_row_sees_nothing(region)
+    block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
+    columns = block_mask.flatten(0, -2)
+    limit, first_hidden = _column_bounds(any_along(columns, 0), all_along(columns, 0))
+    if first_hidden >= limit:
+        return limit, first_hidden, None, False
+    return limit, first_hidden, ~block_mask[..., first_hidden:limit], some_row_sees_nothing(block_mask[..., :limit])
+
+
 def _blockwise(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -432,15 +507,7 @@ def _blockwise(
     rows = query_block_rows(batch, q_heads, n, query.device)
     for lo in range(0, q_len, rows):
         hi = min(lo + rows, q_len)
-        block_mask = mask(lo, hi) if callable(mask) else mask[:, :, lo:hi]
-        columns = block_mask.flatten(0, -2)
-        seen = any_along(columns, 0)
-        # one host read per block: the last visible column and the first column some query cannot see
-        index = torch.arange(seen.shape[0], device=seen.device)
-        bounds = torch.stack([
-            torch.where(seen, index, -1).max(), torch.where(all_along(columns, 0), seen.shape[0], index).min(),
-        ]).tolist()
-        limit, first_hidden = bounds[0] + 1, bounds[1]
+        limit, first_hidden, hidden, sees_nothing = _block_visibility(mask, lo, hi)
         if limit == 0:
             if output is not None:
                 output[:, :, :, lo:hi] = 0
@@ -450,11 +517,10 @@ def _blockwise(
         logits = logits.view(batch, kv_heads, groups, hi - lo, limit)
         if bias is not None:
             logits = logits + bias[..., :limit].float()[:, :, None, None, :]
-        if first_hidden < limit:
-            hidden = ~block_mask[..., first_hidden:limit].unsqueeze(2)
-            logits[..., first_hidden:limit].masked_fill_(hidden, float("-inf"))
+        if hidden is not None:
+            logits[..., first_hidden:limit].masked_fill_(hidden.unsqueeze(2), float("-inf"))
         probs = softmax_with_sinks(logits, sinks)
-        if first_hidden < limit and some_row_sees_nothing(block_mask[..., :limit]):
+        if sees_nothing:
             probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees nothing (padding) adds nothing
         if output is not None and values is not None:  # (b, kv, g·q, n) @ (b, kv, n, d): no broadcast copies
             flat = probs.reshape(batch, kv_heads, groups * (hi - lo), limit).to(values.dtype)

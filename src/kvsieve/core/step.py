@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvsieve.attention.kernel import (
     AttentionForm,
+    Visibility,
     attention_and_column_maxima,
     attention_and_column_sums,
     attention_rows,
@@ -76,7 +78,8 @@ class LayerStep:
     #: A probe forward (:mod:`kvsieve.engine.probe`): tokens read only to score the held entries (KVzip's
     #: context reconstruction); their own entries are dropped after it.
     probing: bool = False
-    _memo: dict[object, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: Statistics (tensors) and the block visibility computed once per step.
+    _memo: dict[object, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.form is None:
@@ -209,10 +212,14 @@ class LayerStep:
             self._memo[key] = torch.matmul(grouped, values).view(batch, q_heads, w, values.shape[-1])
         return self._memo[key]
 
-    def _block_mask(self, lo: int, hi: int) -> torch.Tensor:
-        """Visibility of queries ``lo … hi − 1`` of this forward over the dense view (the blockwise passes)."""
-        view = self.view
-        return visibility_mask(self.query_positions[lo:hi], view.positions, view.valid, self.sliding_window)
+    @property
+    def _block_mask(self) -> Visibility:
+        """Visibility of this forward's queries over the dense view, block by block (the blockwise passes)."""
+        if "visibility" not in self._memo:
+            view = self.view
+            self._memo["visibility"] = Visibility(self.first_position, view.positions, view.valid,
+                                                  self.sliding_window)
+        return self._memo["visibility"]
 
     def all_column_sums(self) -> torch.Tensor:
         """``Σ_t A[t, j]`` over every (non-padding) query of this forward, ``(batch, q_heads, L)``."""
