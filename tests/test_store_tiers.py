@@ -164,3 +164,33 @@ def test_a_trim_drops_quantized_entries_even_when_as_many_stay_as_are_in_full_pr
     assert store.lengths().flatten().tolist() == [4] * 4
     view = store.dense()
     assert torch.equal(view.positions, torch.arange(8, 12).expand(B, H, 4))
+
+
+def test_the_attention_view_holds_the_dense_views_entries_when_heads_hold_different_group_counts():
+    """Heads with 1, 2 and 3 quantized groups: the attention view gathers the packed groups of its padded layout
+    before dequantizing; every real slot equals the dense view's entry of the same position bit for bit, and the
+    padded slots are marked invalid."""
+    store, _, _ = _store()
+    old = [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 2, 4, 6], [1, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    stay = [[i for i in range(12) if i not in r] for r in old]
+    store.keep(*_tiered(old, stay))
+    tier = store.tiers[0]
+    assert len(set(tier.groups_per_segment.tolist())) > 1  # the gathered (ragged) layout
+    dense = store.dense()
+    view = store.attention_view()
+    positions = view.positions
+    valid = view.valid if view.valid is not None else torch.ones(positions.shape, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            real = valid[b, h].nonzero().flatten()
+            held = positions[b, h, real]
+            assert sorted(held.tolist()) == list(range(12))
+            order = held.argsort()
+            assert torch.equal(view.keys[b, h, real][order], dense.keys[b, h])
+            assert torch.equal(view.values[b, h, real][order], dense.values[b, h])
+    index = tier._slot_layout()[0]
+    assert index is not None
+    gathered = tier.dequantized(index)
+    whole = tier.dequantized()
+    assert torch.equal(gathered[0], whole[0].index_select(0, index))
+    assert torch.equal(gathered[1], whole[1].index_select(0, index))

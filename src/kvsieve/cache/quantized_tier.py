@@ -173,32 +173,40 @@ class QuantizedTier:
         self.groups_per_segment = old_groups + new_groups
 
     # ------------------------------------------------------------------ reading
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every slot ``(groups, G, d)`` in the model dtype (free slots hold garbage):
-        ``code·step + minimum`` computed in float32 (one lookup for the codes, one fused multiply-add)."""
+        ``code·step + minimum`` computed in float32 (one lookup for the codes, one fused multiply-add).
+
+        ``groups``: an index of the groups to dequantize, in that order (repeats allowed): the packed codes and
+        their steps and minimums are gathered first, so only those groups are expanded (the same numbers as
+        gathering the dequantized groups, from ``bits/16`` of the bytes moved)."""
         g, d = self.group, self.head_dim
-        groups = self.key_codes.shape[0]
         if self._table is None:
             self._table = code_table(self.bits, self.device)
-        key_params = self.key_params.float()
-        keys = torch.addcmul(key_params[:, 1:2], unpack_float(self.key_codes, self._table, d), key_params[:, 0:1])
-        value_codes = unpack_float(self.value_codes, self._table, d).view(groups, g, d // self.value_group,
-                                                                          self.value_group)
-        params = self.value_params.float()
-        values = torch.addcmul(params[:, :, 1, :, None], value_codes, params[:, :, 0, :, None])
-        return keys.to(self.dtype), values.reshape(groups, g, d).to(self.dtype)
+        key_codes, key_params = self.key_codes, self.key_params
+        value_codes, value_params = self.value_codes, self.value_params
+        if groups is not None:
+            key_codes, key_params = key_codes.index_select(0, groups), key_params.index_select(0, groups)
+            value_codes, value_params = value_codes.index_select(0, groups), value_params.index_select(0, groups)
+        count = key_codes.shape[0]
+        key_params = key_params.float()
+        keys = torch.addcmul(key_params[:, 1:2], unpack_float(key_codes, self._table, d), key_params[:, 0:1])
+        value_floats = unpack_float(value_codes, self._table, d).view(count, g, d // self.value_group,
+                                                                      self.value_group)
+        params = value_params.float()
+        values = torch.addcmul(params[:, :, 1, :, None], value_floats, params[:, :, 0, :, None])
+        return keys.to(self.dtype), values.reshape(count, g, d).to(self.dtype)
 
     def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:meth:`dense`'s ``(keys, values, positions, valid)`` for attention, with ``valid`` None when every slot
         holds an entry. The slot layout (and the positions) are kept until the tier changes, so a decoding step
-        only dequantizes — and, when heads hold different numbers of groups, gathers the dequantized groups."""
+        only dequantizes — and, when heads hold different numbers of groups, the groups of the padded layout
+        are gathered packed, before dequantizing (:meth:`dequantized`)."""
         layout = self._layout
         if layout is None or layout[0] != self.version:
             layout = self._layout = (self.version, *self._slot_layout())
         _, index, positions, valid = layout
-        keys, values = self.dequantized()
-        if index is not None:
-            keys, values = keys.index_select(0, index), values.index_select(0, index)
+        keys, values = self.dequantized(index)
         shape = (self.batch, self.heads, positions.shape[2], self.head_dim)
         return keys.view(shape), values.view(shape), positions, valid
 
