@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvsieve
+from kvsieve.attention import kernel
+from kvsieve.attention.kernel import split_decoding_attention
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import MAX_GROUPS, MIN_SAVING, plan_groups
 from kvsieve.cache.store import LayerStore
@@ -137,3 +139,52 @@ def test_long_heads_are_attended_in_place_and_as_the_padded_view(monkeypatch):
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
         assert len(calls) == expected_calls
         torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "threads"), [(4096, 2), (4099, 2), (5000, 3), (2047, 2), (4096, 1)])
+def test_a_long_head_split_across_threads_is_the_one_call_attention(dtype, n, threads, monkeypatch):
+    """:func:`split_decoding_attention`: equal runs as batch items of one call plus the leftover entries, combined
+    by their log-sum-exps, give one call's attention (float32: 1e-6; bfloat16: the error of one call's own
+    output against float64); below the length, or with one thread, it declines (None)."""
+    monkeypatch.setattr(kernel.torch, "get_num_threads", lambda: threads)
+    generator = torch.Generator().manual_seed(n)
+    query = torch.randn(3, 64, generator=generator).to(dtype)
+    keys = (torch.randn(n, 64, generator=generator) * 2).to(dtype)
+    values = torch.randn(n, 64, generator=generator).to(dtype)
+    split = split_decoding_attention(query, keys, values, 0.125)
+    if n < kernel.SPLIT_DECODING_LENGTH or threads < 2:
+        assert split is None
+        return
+    assert split is not None and split.dtype == dtype and split.shape == (3, 64)
+
+    def one_call(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q[None, None], k[None, None], v[None, None],
+                                                                scale=0.125)[0, 0]
+
+    exact = one_call(query.double(), keys.double(), values.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(split, one_call(query, keys, values), atol=1e-6, rtol=1e-5)
+    else:
+        assert (split.double() - exact).abs().max() <= 2 * (one_call(query, keys, values).double() - exact).abs().max()
+
+
+def test_long_heads_are_split_across_threads_in_the_grouped_step(monkeypatch):
+    """With the split lengths lowered, the two long heads of the ragged step are attended by the split kernel
+    (only the short group calls SDPA) and the step's output is the padded view's."""
+    monkeypatch.setattr(kernel.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(kernel, "SPLIT_DECODING_LENGTH", 600)
+    monkeypatch.setattr(kernel, "SPLIT_PART_LENGTH", 300)
+    monkeypatch.setattr(length_groups, "IN_PLACE_LENGTH", 600)
+    step = ragged_decoding_step(2, 2, 2, [5, 690, 701, 7])
+    planned = step.store.length_groups()
+    assert planned is not None
+    padded = all_entries_output(step, step.module, None, None, step.view)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[int] = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    grouped = grouped_decode_output(step, planned)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    assert len(calls) == 1
+    torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)

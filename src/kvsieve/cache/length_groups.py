@@ -46,6 +46,8 @@ class LengthGroup:
     longest: int
     #: Whether every segment of the group has the same length (no padding, so no mask).
     equal: bool
+    #: ``segments`` as Python ints (a decoding step loops over them without reading tensors).
+    members: tuple[int, ...]
 
 
 def plan_groups(lengths: torch.Tensor, cost: int | None = None) -> list[tuple[torch.Tensor, int, bool]] | None:

@@ -193,7 +193,8 @@ class StoreLayout:
         if self._groups is None:
             runs = plan_groups(self._length, call_cost(self.device))
             groups = None if runs is None else [
-                LengthGroup(members, members.to(self.device), longest, equal) for members, longest, equal in runs
+                LengthGroup(members, members.to(self.device), longest, equal, tuple(members.tolist()))
+                for members, longest, equal in runs
             ]
             self._groups = (groups, self._max_length)
         groups, planned_max = self._groups

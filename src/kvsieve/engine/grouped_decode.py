@@ -7,13 +7,16 @@ segments is gathered to its own width and attended on its own: every segment bec
 rows are independent), and the outputs are put back in head order. The result is the attention of each
 query head over its KV head's held entries, as the padded view gives it, computed over less padding; a
 group of one segment, or (on a CPU) of segments all holding at least ``IN_PLACE_LENGTH`` entries, is
-attended segment by segment where its entries lie (no gather: copying a long head costs more than a call).
+attended segment by segment where its entries lie (no gather: copying a long head costs more than a call);
+on a CPU with several threads a head of at least ``SPLIT_DECODING_LENGTH`` entries is cut across them
+(:func:`~kvsieve.attention.kernel.split_decoding_attention`: one call runs on one thread).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvsieve.attention.kernel import split_decoding_attention
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
 from kvsieve.core.step import LayerStep
@@ -27,19 +30,23 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     queries = query.reshape(store.segments, per_head, dim)
     output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     scaling = step.form.scaling if step.form is not None else step.scaling
-    lengths = store.length  # host
+    lengths, starts = store.length.tolist(), store.start.tolist()  # host bookkeeping, read once
     for group, width in groups:
         members = group.device_segments
-        count = group.segments.numel()
-        shortest = int(lengths[group.segments].min())
+        count = len(group.members)
+        shortest = min(lengths[segment] for segment in group.members)
         if count == 1 or (shortest >= length_groups.IN_PLACE_LENGTH and query.device.type == "cpu"):
             # long heads: each segment's entries are contiguous rows of the buffers, attended where they are
-            for segment in group.segments.tolist():
-                start, held = int(store.start[segment]), int(lengths[segment])
-                keys = store.keys[start : start + held].view(1, 1, held, dim)
-                values = store.values[start : start + held].view(1, 1, held, dim)
+            for segment in group.members:
+                start, held = starts[segment], lengths[segment]
+                keys, values = store.keys[start : start + held], store.values[start : start + held]
+                split = split_decoding_attention(queries[segment], keys, values, scaling)
+                if split is not None:  # a long head on the CPU: its entries cut across the threads
+                    output[segment] = split
+                    continue
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    queries[segment].view(1, 1, per_head, dim), keys, values, scale=scaling)
+                    queries[segment].view(1, 1, per_head, dim), keys.view(1, 1, held, dim),
+                    values.view(1, 1, held, dim), scale=scaling)
                 output[segment] = out.view(per_head, dim)
             continue
         index, valid, _ = store.gather_index()  # cached; only a gathered group reads it
