@@ -188,3 +188,21 @@ def test_long_heads_are_split_across_threads_in_the_grouped_step(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     assert len(calls) == 1
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
+
+
+def test_the_split_declines_without_an_operator_returning_the_logsumexp(monkeypatch):
+    """The private CPU operator is looked up at call time: absent, or with another signature, the split declines
+    and the caller makes one call."""
+    monkeypatch.setattr(kernel.torch, "get_num_threads", lambda: 2)
+    query, keys = torch.randn(3, 64), torch.randn(4096, 64)
+    monkeypatch.setattr(kernel, "_flash_with_logsumexp", lambda: None)
+    assert split_decoding_attention(query, keys, keys, 0.125) is None
+
+    def other_signature(*args, **kwargs):
+        raise TypeError("unexpected keyword argument 'scale'")
+
+    monkeypatch.setattr(kernel, "_flash_with_logsumexp", lambda: other_signature)
+    assert split_decoding_attention(query, keys, keys, 0.125) is None
+    monkeypatch.setattr(kernel, "_flash_with_logsumexp",
+                        lambda: lambda q, k, v, **_: (torch.zeros(2, 1, 3, 64), torch.zeros(2, 3)))
+    assert split_decoding_attention(query, keys, keys, 0.125) is None

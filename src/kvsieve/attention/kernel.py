@@ -115,7 +115,9 @@ def _flash_with_logsumexp() -> Callable[..., tuple[torch.Tensor, ...]] | None:
     """PyTorch's CPU flash-attention operator, which returns the log-sum-exp with the output (what
     ``scaled_dot_product_attention`` dispatches to on the CPU; private: ``aten::_scaled_dot_product_flash_\
 attention_for_cpu(query, key, value, dropout_p, is_causal, *, attn_mask, scale) -> (output, logsumexp)``,
-    present in every torch kvsieve supports, 2.3 on). None where a build lacks it: callers then make one call."""
+    checked with the pinned torch 2.13; looked up at call time, so a build without it — or one whose operator
+    returns something else — costs the split, not a failure). None where a build lacks it: callers then make
+    one call."""
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -142,8 +144,13 @@ def split_decoding_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     body = parts * width
     rows = query.shape[0]
     grouped = query.view(1, 1, rows, dim).expand(parts, 1, rows, dim)
-    output, logsumexp = operator(grouped, keys[:body].view(parts, 1, width, dim),
-                                 values[:body].view(parts, 1, width, dim), scale=scale)[:2]
+    try:
+        output, logsumexp = operator(grouped, keys[:body].view(parts, 1, width, dim),
+                                     values[:body].view(parts, 1, width, dim), scale=scale)[:2]
+    except (RuntimeError, TypeError, ValueError):  # another signature in another torch: one call instead
+        return None
+    if logsumexp.shape != (parts, 1, rows):
+        return None
     outputs, weights = output.view(parts, rows, dim).float(), logsumexp.view(parts, rows)
     if body < n:  # the last n − body entries (fewer than ``parts``), explicitly
         logits = torch.matmul(query.float(), keys[body:].float().transpose(0, 1)) * scale
