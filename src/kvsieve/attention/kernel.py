@@ -355,14 +355,14 @@ def attend(
     return output
 
 
-def _grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``q·k`` logits ``(batch, kv_heads, groups, q, n)`` in float32 for GQA without repeating keys."""
-    batch, q_heads, q_len, dim = query.shape
+def _grouped_logits(scaled_query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q·k`` logits ``(batch, kv_heads, groups, q, n)`` for GQA without repeating keys, from the query already
+    scaled (scale the small side) and both in float32."""
+    batch, q_heads, q_len, dim = scaled_query.shape
     kv_heads = keys.shape[1]
-    groups = q_heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, groups * q_len, dim).float() * scaling  # scale the small side
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2))
-    return logits.view(batch, kv_heads, groups, q_len, keys.shape[2])
+    grouped = scaled_query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
+    logits = torch.matmul(grouped, keys.transpose(-1, -2))
+    return logits.view(batch, kv_heads, q_heads // kv_heads, q_len, keys.shape[2])
 
 
 def attention_logits(
@@ -370,7 +370,7 @@ def attention_logits(
 ) -> torch.Tensor:
     """Float32 logits ``(batch, kv_heads, groups, q, n)``: scaled, soft-capped, then the per-entry ``bias`` added."""
     form = as_form(form)
-    logits = form.cap(_grouped_logits(query, keys, form.scaling))
+    logits = form.cap(_grouped_logits(query.float() * form.scaling, keys.float()))
     if bias is not None:
         logits = logits + bias.float()[:, :, None, None, :]
     return logits
@@ -549,7 +549,7 @@ def _blockwise(
     """
     form = as_form(form)
     sinks = _grouped_sinks(form, keys.shape[1])
-    batch, q_heads, q_len, dim = query.shape
+    batch, q_heads, q_len, _ = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads
     total = torch.zeros(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
@@ -569,9 +569,7 @@ def _blockwise(
             if output is not None:
                 output[:, :, :, lo:hi] = 0
             continue
-        grouped = scaled[:, :, lo:hi].reshape(batch, kv_heads, groups * (hi - lo), dim)
-        logits = form.cap(torch.matmul(grouped, keys[:, :, :limit].transpose(-1, -2)))
-        logits = logits.view(batch, kv_heads, groups, hi - lo, limit)
+        logits = form.cap(_grouped_logits(scaled[:, :, lo:hi], keys[:, :, :limit]))
         if bias is not None:
             logits = logits + bias[..., :limit].float()[:, :, None, None, :]
         if hidden is not None:
