@@ -12,7 +12,9 @@ kvsieve commit, medians, ratios and raw samples.
 
 Usage: ``python benchmarks/statistics_prefill.py [--tokens 4096,8192] [--budget 256] [--repeats 5]
 [--device cpu|cuda] [--dtype bfloat16|float32] [--threads N] [--model smollm2|random-smollm2|random-llama8b]
-[--quick] [--output benchmarks/results/statistics_prefill.json]``.
+[--device-block-mib M] [--quick] [--output benchmarks/results/statistics_prefill.json]``. ``--device-block-mib``
+sets the float32 logits one block of the statistics pass holds off the CPU (``kernel.DEVICE_BLOCK_BYTES``; 0: the
+256-query blocks used before), to compare block sizes on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_overhead import load_average, prompts, spread
 from quantize_decode import prefill, setup_run
+
+from kvsieve.attention import kernel
 
 RESULTS = Path(__file__).parent / "results" / "statistics_prefill.json"
 POLICIES = ("snapkv", "h2o", "h2o_fused", "ems", "ems_fused", "h2o_caote", "h2o_caote_fused", "tova", "restkv")
@@ -78,6 +82,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "random-smollm2", "random-llama8b"])
+    parser.add_argument("--device-block-mib", type=int, default=None,
+                        help="off the CPU: MiB of float32 logits per block of the statistics pass (0: 256 queries)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1024 tokens, budget 128, 1 repeat")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -88,6 +94,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
+    if args.device_block_mib is not None:
+        kernel.DEVICE_BLOCK_BYTES = args.device_block_mib * 2**20
     lengths = [int(t) for t in args.tokens.split(",")]
     started = time.perf_counter()
     model, pool, device, meta = setup_run(args, "statistics_prefill", max(lengths), argv)

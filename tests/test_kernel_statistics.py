@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsieve.attention import kernel
 from kvsieve.attention.kernel import (
     QUERY_BLOCK,
     Visibility,
@@ -20,6 +21,7 @@ from kvsieve.attention.kernel import (
     attention_rows,
     column_maxima,
     column_sums,
+    query_block_rows,
     visibility_mask,
 )
 
@@ -71,6 +73,32 @@ def test_column_sums_equal_dense_reference_over_several_blocks(kind, per_block):
     assert got.shape == (BATCH, Q_HEADS, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-5)
     assert not torch.isnan(got).any()
+
+
+def test_query_block_rows_fit_their_byte_budgets():
+    """CPU blocks hold ~24 MiB of float32 logits (16–64 rows, a power of two); device blocks ~128 MiB, never
+    fewer than 256 rows (the default model's 9 query heads; Llama-8B's 32 at 8k)."""
+    cpu, device = torch.device("cpu"), torch.device("meta")
+    assert [query_block_rows(b, 9, n, cpu) for b, n in ((1, 1024), (1, 8192), (1, 16384), (8, 4096))] == [64, 64, 32, 16]
+    assert [query_block_rows(b, q, n, device) for b, q, n in ((1, 9, 4096), (1, 9, 8192), (8, 9, 8192), (1, 32, 8192),
+                                                              (1, 9, 512))] == [512, 256, 256, 256, 4096]
+    for b, q, n in ((1, 9, 4096), (2, 32, 3000), (1, 9, 100)):
+        rows = query_block_rows(b, q, n, device)
+        assert rows & (rows - 1) == 0 and (rows == 256 or rows * b * q * n * 4 <= kernel.DEVICE_BLOCK_BYTES)
+
+
+@pytest.mark.parametrize("rows", [7, 2048])
+def test_one_block_or_odd_blocks_give_the_dense_reference(rows, monkeypatch):
+    """Blocks larger than the prompt (a GPU's, one block) and blocks not dividing it give the reference sums."""
+    monkeypatch.setattr(kernel, "query_block_rows", lambda *args: rows)
+    n = 2 * QUERY_BLOCK + 77
+    for kind in ("causal", "padded", "window"):
+        query, keys, mask, _ = case(kind, n, seed=3)
+        positions = torch.arange(n).view(1, 1, n).expand(BATCH, KV_HEADS, n)
+        valid = mask.any(dim=2) if kind == "padded" else None
+        visibility = Visibility(0, positions, valid, 100 if kind == "window" else None)
+        got = column_sums(query, keys, visibility, SCALE)
+        torch.testing.assert_close(got.double(), dense_rows(query, keys, mask, None).sum(dim=2), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["causal", "padded", "window", "random", "bias"])

@@ -29,12 +29,15 @@ import torch
 
 from kvsieve.transformers_adapter import sdpa_attention
 
-#: Queries per block when summing attention columns over many queries, off the CPU (see
+#: The fewest queries per block when summing attention columns over many queries off the CPU (see
 #: :func:`query_block_rows`; on the CPU blocks are smaller, sized to the cache).
 QUERY_BLOCK = 256
 #: Bytes of float32 logits one CPU block aims at, and the bounds on its rows (:func:`query_block_rows`).
 CPU_BLOCK_BYTES = 24 * 2**20
 MIN_CPU_BLOCK, MAX_CPU_BLOCK = 16, 64
+#: Bytes of float32 logits one block aims at off the CPU (a GPU): the block's softmax and products hold about
+#: three times this at once.
+DEVICE_BLOCK_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True, eq=False)
@@ -497,13 +500,14 @@ def query_block_rows(batch: int, q_heads: int, n: int, device: torch.device) -> 
     On the CPU a block's float32 logits ``(batch, q_heads, rows, n)`` are kept near :data:`CPU_BLOCK_BYTES`
     (the largest power of two of rows that fits, between 16 and 64), so the logits, their softmax and
     the ``P·V`` product stay in the cache: measured at 1k–8k entries, batch 1–8, 9 query heads, this is
-    1.5–2× faster than 256-row blocks (``benchmarks/statistics_prefill.py``). Elsewhere (a GPU) blocks
-    are :data:`QUERY_BLOCK` rows: each block costs one host read, and device memory is not the limit.
+    1.5–2× faster than 256-row blocks (``benchmarks/statistics_prefill.py``). Elsewhere (a GPU) each block
+    costs one host read and a dozen kernel launches, so blocks are as large as :data:`DEVICE_BLOCK_BYTES` of
+    logits allow (a power of two of rows), never fewer than :data:`QUERY_BLOCK` rows.
     """
+    row_bytes = max(1, batch * q_heads * n * 4)
     if device.type != "cpu":
-        return QUERY_BLOCK
-    fitting = CPU_BLOCK_BYTES // max(1, batch * q_heads * n * 4)
-    rows = 1 << max(0, int(fitting).bit_length() - 1)
+        return max(QUERY_BLOCK, 1 << max(0, int(DEVICE_BLOCK_BYTES // row_bytes).bit_length() - 1))
+    rows = 1 << max(0, int(CPU_BLOCK_BYTES // row_bytes).bit_length() - 1)
     return max(MIN_CPU_BLOCK, min(MAX_CPU_BLOCK, rows))
 
 
