@@ -76,12 +76,13 @@ def test_column_sums_equal_dense_reference_over_several_blocks(kind, per_block):
 
 
 def test_query_block_rows_fit_their_byte_budgets():
-    """CPU blocks hold ~24 MiB of float32 logits (16–64 rows, a power of two); device blocks ~128 MiB, never
+    """CPU blocks hold ~24 MiB of float32 logits (16–64 rows, a power of two); device blocks ~512 MiB, never
     fewer than 256 rows (the default model's 9 query heads; Llama-8B's 32 at 8k)."""
     cpu, device = torch.device("cpu"), torch.device("meta")
-    assert [query_block_rows(b, 9, n, cpu) for b, n in ((1, 1024), (1, 8192), (1, 16384), (8, 4096))] == [64, 64, 32, 16]
-    assert [query_block_rows(b, q, n, device) for b, q, n in ((1, 9, 4096), (1, 9, 8192), (8, 9, 8192), (1, 32, 8192),
-                                                              (1, 9, 512))] == [512, 256, 256, 256, 4096]
+    shapes = ((1, 1024), (1, 8192), (1, 16384), (8, 4096))
+    assert [query_block_rows(b, 9, n, cpu) for b, n in shapes] == [64, 64, 32, 16]
+    shapes = ((1, 9, 4096), (1, 9, 8192), (8, 9, 8192), (1, 32, 8192), (1, 9, 512))
+    assert [query_block_rows(b, q, n, device) for b, q, n in shapes] == [2048, 1024, 256, 512, 16384]
     for b, q, n in ((1, 9, 4096), (2, 32, 3000), (1, 9, 100)):
         rows = query_block_rows(b, q, n, device)
         assert rows & (rows - 1) == 0 and (rows == 256 or rows * b * q * n * 4 <= kernel.DEVICE_BLOCK_BYTES)

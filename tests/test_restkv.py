@@ -82,6 +82,37 @@ def test_vatp_indicator_is_attention_times_value_norm():
     torch.testing.assert_close(vatp_indicator(rows, values), rows * norms.unsqueeze(2), atol=0, rtol=1e-12)
 
 
+def _ema_recursion(indicator: torch.Tensor, alpha: float, valid: torch.Tensor) -> torch.Tensor:
+    """Eq. 9 step by step (the reference the unrolled weighted sum must equal)."""
+    out = torch.zeros(indicator.shape[0], indicator.shape[1], indicator.shape[3], dtype=torch.float64)
+    for b in range(indicator.shape[0]):
+        started = False
+        for t in range(indicator.shape[2]):
+            if not valid[b, t]:
+                continue
+            current = indicator[b, :, t].double()
+            out[b] = alpha * current + (1 - alpha) * out[b] if started else current
+            started = True
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.9, 1.0])
+def test_ema_weighted_sum_equals_the_recursion(alpha):
+    """The unrolled EMA (one weighted sum) against the recursion, with padding in front, holes between real queries,
+    a row without any real query and a window of one."""
+    generator = torch.Generator().manual_seed(7)
+    indicator = torch.rand(4, 3, 9, 11, generator=generator)
+    valid = torch.rand(4, 9, generator=generator) > 0.3
+    valid[0] = True
+    valid[1, :4] = False
+    valid[2] = False
+    for given, mask in ((valid, valid), (None, torch.ones(4, 9, dtype=torch.bool))):
+        got = ema_over_window(indicator, alpha, given)
+        torch.testing.assert_close(got.double(), _ema_recursion(indicator, alpha, mask), atol=1e-6, rtol=1e-6)
+    one = indicator[:, :, :1]
+    torch.testing.assert_close(ema_over_window(one, alpha), one[:, :, 0])
+
+
 def test_ema_hand_computed():
     a, b, c = 1.0, 10.0, 100.0
     indicator = torch.tensor([a, b, c]).view(1, 1, 3, 1)

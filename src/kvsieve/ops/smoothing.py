@@ -19,21 +19,26 @@ def ema_over_window(indicator: torch.Tensor, alpha: float, query_valid: torch.Te
     ``indicator`` ``(batch, heads, w, L)``; ``query_valid`` ``(batch, w)`` (None: all real) — the
     recursion starts at each batch item's first real query and skips padding queries. Returns
     ``(batch, heads, L)``.
+
+    Unrolled, the recursion is one weighted sum over the window (:func:`ema_weights`), computed as one matrix
+    product instead of ``w`` steps of three operations each (on a GPU each step is three kernel launches the
+    host must issue in turn). The result equals the recursion up to float rounding (the order of the sums).
     """
-    smoothed = indicator[:, :, 0]
-    started = torch.ones(indicator.shape[0], dtype=torch.bool, device=indicator.device)
-    if query_valid is not None:
-        started = query_valid[:, 0].clone()
-        smoothed = smoothed * started.view(-1, 1, 1).to(smoothed.dtype)
-    for t in range(1, indicator.shape[2]):
-        current = indicator[:, :, t]
-        updated = torch.where(started.view(-1, 1, 1), alpha * current + (1.0 - alpha) * smoothed, current)
-        if query_valid is None:
-            smoothed = updated
-            continue
-        smoothed = torch.where(query_valid[:, t].view(-1, 1, 1), updated, smoothed)
-        started = started | query_valid[:, t]
-    return smoothed
+    batch, _, w, _ = indicator.shape
+    valid = (torch.ones(batch, w, dtype=torch.bool, device=indicator.device) if query_valid is None
+             else query_valid.to(device=indicator.device, dtype=torch.bool))
+    weight = ema_weights(valid, alpha).to(indicator.dtype)
+    return torch.matmul(weight[:, None, None, :], indicator).squeeze(2)
+
+
+def ema_weights(valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The weight of each window query in Eq. 9's EMA, ``(batch, w)`` float64: a real query followed by ``r`` real
+    queries weighs ``α(1-α)^r``, the first real one ``(1-α)^r`` (the recursion starts from it), padding 0."""
+    real = valid.to(torch.float64)
+    later = real.flip(-1).cumsum(-1).flip(-1) - real  # real queries after each one
+    first = valid & (real.cumsum(-1) == 1)
+    decay = torch.pow(torch.full_like(real, 1.0 - alpha), later)
+    return torch.where(first, decay, alpha * decay) * real
 
 
 def mean_over_window(indicator: torch.Tensor, query_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,13 +57,17 @@ def top_index_mean(indicator: torch.Tensor, k: torch.Tensor, candidates: torch.T
     than ``k`` → all of them.
     """
     length = indicator.shape[-1]
-    k_max = int(min(int(k.max()), length)) if k.numel() else 0
-    if k_max == 0:
+    if k.numel() == 0:
         return torch.zeros(indicator.shape[:3], dtype=indicator.dtype, device=indicator.device)
     count = candidates.sum(dim=-1)
-    prefix = int(count.min())
-    uniform = int(count.max()) == prefix and k_max == int(k.min()) and k_max <= prefix
-    if uniform and bool(candidates[..., :prefix].all()):
+    leading = (candidates[..., 1:] <= candidates[..., :-1]).all()  # every head's candidates are a leading run
+    # one host read for every shape decision below
+    k_high, k_low, prefix, most, leading_run = torch.stack([k.max().long(), k.min().long(), count.min(),
+                                                           count.max(), leading.long()]).tolist()
+    k_max = min(k_high, length)
+    if k_max == 0:
+        return torch.zeros(indicator.shape[:3], dtype=indicator.dtype, device=indicator.device)
+    if most == prefix and k_max == k_low and k_max <= prefix and leading_run:
         # common case (no padding): the same leading ``prefix`` entries compete in every head, one k
         top = torch.topk(indicator[..., :prefix], k_max, dim=-1, sorted=False).indices
         return top.to(indicator.dtype).mean(dim=-1)
@@ -109,7 +118,7 @@ def shifted_window_mean(scores: torch.Tensor, width: torch.Tensor, shift: torch.
     always ``W_s`` (as printed; SnapKV's zero-padded avgpool does the same at the edges). Uses a float64
     prefix sum so a huge score (an attention sink) does not swamp its small neighbours.
     """
-    if bool((width == 1).all()) and bool((shift == 0).all()):
+    if bool(((width == 1) & (shift == 0)).all()):  # one host read
         return scores
     length = scores.shape[-1]
     prefix = torch.nn.functional.pad(scores.double().cumsum(dim=-1), (1, 0))  # prefix[i] = Σ_{m<i}

@@ -37,7 +37,8 @@ class Action(Part):
         return self.SIDE
 
     def plan(self, scores: torch.Tensor, counts: torch.Tensor, step: LayerStep) -> Plan:
-        return Plan(top_entries(scores, counts), counts.cpu().reshape(-1))
+        host = counts.cpu().reshape(-1)  # the plan's host copy also gives the kept width: one device read
+        return Plan(top_entries(scores, counts, int(host.max()) if host.numel() else 0), host)
 
     def apply(self, store: LayerStore, plan: Plan) -> None:
         store.keep(plan.keep, plan.counts)

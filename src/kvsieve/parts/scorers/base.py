@@ -30,7 +30,8 @@ def protect_recent(scores: torch.Tensor, step: LayerStep, recent: int | torch.Te
     """Give +inf to the ``recent`` newest entries of each head and -inf to padding slots."""
     lengths = step.lengths()
     offsets = torch.arange(scores.shape[-1], device=scores.device)
-    recent_t = torch.as_tensor(recent, device=scores.device)
+    # a Python int stays one (no host-to-device copy, which waits for the device)
+    recent_t = recent.to(scores.device) if isinstance(recent, torch.Tensor) else recent
     is_recent = offsets.view(1, 1, -1) >= (lengths - recent_t).unsqueeze(-1)
     out = scores.float().masked_fill(is_recent, math.inf)
     valid = step.view.valid
