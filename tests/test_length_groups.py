@@ -206,3 +206,31 @@ def test_the_split_declines_without_an_operator_returning_the_logsumexp(monkeypa
     monkeypatch.setattr(kernel, "_flash_with_logsumexp",
                         lambda: lambda q, k, v, **_: (torch.zeros(2, 1, 3, 64), torch.zeros(2, 3)))
     assert split_decoding_attention(query, keys, keys, 0.125) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adakv_decodes_the_same_padded_and_compact(monkeypatch, dtype):
+    """AdaKV's ragged heads laid out padded (zero-copy view) or compact (gathered view each step): the same logits
+    bit for bit at every decoding step, and the padded layout is what similar head lengths get."""
+    from kvsieve.cache.store_compaction import StoreCompaction
+
+    model = build_model("llama").to(dtype)
+    ids = prompt(2, 64, seed=11)
+    runs = []
+    for forced in (None, False):
+        if forced is not None:
+            monkeypatch.setattr(StoreCompaction, "pads", lambda self, counts: False)
+        cache = kvsieve.KVCache(model, "adakv", budget=24, window=4)
+        logits = []
+        with torch.inference_mode():
+            out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                out = model(token, **cache_kwargs(model, cache), use_cache=True)
+                logits.append(out.logits[:, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        padded = sum(layer.store.is_padded for layer in cache.layers if layer.store is not None)
+        runs.append((torch.stack(logits), padded))
+    (padded_logits, padded_layers), (compact_logits, compact_layers) = runs
+    assert padded_layers > 0 and compact_layers == 0
+    assert torch.equal(padded_logits, compact_logits)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvsieve.cache.store import GROWTH, LayerStore
+from kvsieve.cache.store_compaction import StoreCompaction
 
 B, H, D = 2, 3, 4
 
@@ -27,6 +28,13 @@ def segment(store: LayerStore, b: int, h: int) -> tuple[torch.Tensor, torch.Tens
         store.values[start : start + length],
         store.positions[start : start + length],
     )
+
+
+@pytest.fixture(params=["compact", "padded"])
+def layout(request, monkeypatch) -> str:
+    """A ragged compaction's layout, forced: compact (capacity = what is kept) or padded (equal capacities)."""
+    monkeypatch.setattr(StoreCompaction, "pads", lambda self, counts, on=request.param == "padded": on)
+    return request.param
 
 
 def test_empty_store():
@@ -97,7 +105,7 @@ def test_ragged_append_skips_padding():
     assert torch.equal(k, torch.stack([keys[1, 2, 3], k2[1, 2, 0]]))
 
 
-def test_keep_copies_exact_entries_and_shrinks_capacity():
+def test_keep_copies_exact_entries_and_shrinks_capacity(layout):
     store = make_store()
     keys, values = kv(6, seed=5)
     store.append(keys, values, 10, None)
@@ -108,9 +116,10 @@ def test_keep_copies_exact_entries_and_shrinks_capacity():
         local[s, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
     store.keep(local, counts)
     assert store.lengths().reshape(-1).tolist() == counts.tolist()
-    assert torch.equal(store.capacity, counts)
-    assert store.keys.shape[0] == int(counts.sum())
-    assert store.nbytes() == store.used_nbytes()
+    capacity = counts if layout == "compact" else torch.full_like(counts, 6)  # padded: every segment the longest's
+    assert torch.equal(store.capacity, capacity) and store.is_padded == (layout == "padded")
+    assert store.keys.shape[0] == int(capacity.sum())
+    assert (store.nbytes() == store.used_nbytes()) == (layout == "compact")
     for s, chosen in enumerate(choices):
         b, h = divmod(s, H)
         k, v, p = segment(store, b, h)
@@ -271,7 +280,7 @@ def test_dense_view_is_cached_until_the_next_mutation():
     assert torch.equal(after.keys[1, :, 3], k2[1, :, 0])  # row 1 holds 3 + 1 entries, in order
 
 
-def test_keep_returns_the_kept_source_rows():
+def test_keep_returns_the_kept_source_rows(layout):
     store = make_store()
     keys, values = kv(5, seed=17)
     store.append(keys, values, 0, None)
@@ -282,7 +291,8 @@ def test_keep_returns_the_kept_source_rows():
     rows = store.keep(local, counts)
     expected = torch.cat([start[s] + local[s, : int(counts[s])] for s in range(B * H)])
     assert torch.equal(rows, expected)
-    assert torch.equal(store.keys, old_keys[rows])  # the kept entries, in order, are those source rows
+    held = torch.cat([store.keys[int(store.start[s]) : int(store.start[s]) + int(counts[s])] for s in range(B * H)])
+    assert torch.equal(held, old_keys[rows])  # the kept entries, in order, are those source rows
 
 
 def expected_after_appended(before: torch.Tensor, view_positions: torch.Tensor, valid: torch.Tensor | None,
@@ -353,7 +363,7 @@ def same_entries(a: LayerStore, b: LayerStore) -> bool:
 
 
 @pytest.mark.parametrize("counts", [[2, 2, 2, 2, 2, 2], [3, 1, 0, 2, 3, 1]])
-def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(counts):
+def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(counts, layout):
     plain, reserved = make_store(), make_store()
     keys, values = kv(4, seed=31)
     local = torch.tensor([[0, 1, 3]] * (B * H))
@@ -365,7 +375,9 @@ def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(cou
     with reserved.reserving(3):
         reserved.keep(local, torch.tensor(counts))
     assert reserved._reserve == 0  # only inside the block
-    assert torch.equal(reserved.capacity, torch.tensor(counts) + 3)
+    kept = torch.tensor(counts)
+    uneven = layout == "padded" and len(set(counts)) > 1
+    assert torch.equal(reserved.capacity, (torch.full_like(kept, max(counts)) if uneven else kept) + 3)
     assert same_entries(plain, reserved)
     buffer = reserved.keys
     for step in range(3):  # three decoding appends fit in the reserved rows: written in place
@@ -413,3 +425,42 @@ def test_keeping_as_many_in_every_segment_of_a_uniform_store_stays_uniform(reser
     view = store.dense()
     assert view.valid is None and torch.equal(view.keys, keys.reshape(B * H, 6, D)[
         torch.arange(B * H)[:, None], local].view(B, H, 5, D))
+
+
+def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
+    """Heads of similar lengths (one padded view at decoding, no length groups): equal capacities back to back, a
+    zero-copy dense view equal to the gathered one on every held entry, finite free rows; decoding appends, a
+    relayout when the slack runs out and side data keep it so. Very uneven heads stay compact (length groups)."""
+    store = make_store()
+    keys, values = kv(40, seed=61)
+    store.append(keys, values, 0, None)
+    store.ensure_extra("acc")
+    counts = torch.tensor([30, 28, 32, 29, 31, 30])
+    local = torch.stack([torch.sort(torch.randperm(40, generator=torch.Generator().manual_seed(s))[:32]).values
+                         for s in range(B * H)])
+    store.keep(local, counts)
+    assert store.is_padded and torch.equal(store.capacity, torch.full((B * H,), 32))
+
+    def check() -> None:
+        view = store.dense()
+        assert view.keys.untyped_storage().data_ptr() == store.keys.untyped_storage().data_ptr()
+        assert view.values.untyped_storage().data_ptr() == store.values.untyped_storage().data_ptr()
+        lengths = store.length.view(B, H)
+        assert torch.equal(view.valid, torch.arange(view.keys.shape[2]) < lengths[..., None])
+        for b in range(B):
+            for h in range(H):
+                k, v, p = segment(store, b, h)
+                n = int(lengths[b, h])
+                assert torch.equal(view.keys[b, h, :n], k) and torch.equal(view.values[b, h, :n], v)
+                assert torch.equal(view.positions[b, h, :n], p)
+        assert torch.isfinite(store.keys).all() and torch.isfinite(store.values).all()
+
+    check()
+    for step in range(3):  # the longest segment has no slack: the first append relayouts, padded again
+        store.append(*kv(1, seed=70 + step), 40 + step, None)
+        store.add_to_appended("acc", torch.ones(B, H, 1))
+        assert store.is_padded
+        check()
+    assert store.view_nbytes() == 0
+    assert not store.pads(torch.tensor([1, 1, 1, 1, 1, 400]))  # a long head among short ones: length groups
+    assert not store.pads(torch.tensor([5, 5, 5, 5, 5, 5]))  # equal: uniform

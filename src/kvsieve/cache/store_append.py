@@ -182,19 +182,32 @@ class StoreAppend(StoreLayout):
         target.index_add_(0, rows.reshape(-1), flat.reshape(-1, *target.shape[1:]))
 
     def _relayout(self, capacity: torch.Tensor) -> None:
-        """Move every segment into fresh buffers with the given per-segment capacity."""
+        """Move every segment into fresh buffers with the given per-segment capacity (a padded layout stays
+        padded: every segment gets the largest, its free rows copies of its last entry, as a compaction leaves
+        them)."""
         length, start = self.length, self.start
+        padded = self._stride is not None and self.keys.shape[0] > 0
+        if padded:
+            capacity = torch.full_like(capacity, int(capacity.max()))
         new_start = torch.cumsum(capacity, 0) - capacity
         total = int(capacity.sum())
-        offs = torch.arange(int(length.max()) if self.segments else 0)
-        mask = offs[None, :] < length[:, None]
-        src = (start[:, None] + offs[None, :])[mask].to(self.device)
-        dst = (new_start[:, None] + offs[None, :])[mask].to(self.device)
+        if padded:
+            offs = torch.arange(int(capacity[0]))
+            source = (start[:, None] + torch.minimum(offs[None, :], (length - 1).clamp(min=0)[:, None])).reshape(-1)
+            source = source.to(self.device)
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            out.index_copy_(0, dst, t.index_select(0, src))
-            return out
+            def move(t: torch.Tensor) -> torch.Tensor:
+                return t.index_select(0, source)
+        else:
+            offs = torch.arange(int(length.max()) if self.segments else 0)
+            mask = offs[None, :] < length[:, None]
+            src = (start[:, None] + offs[None, :])[mask].to(self.device)
+            dst = (new_start[:, None] + offs[None, :])[mask].to(self.device)
+
+            def move(t: torch.Tensor) -> torch.Tensor:
+                out = torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                out.index_copy_(0, dst, t.index_select(0, src))
+                return out
 
         self.keys, self.values, self.positions = move(self.keys), move(self.values), move(self.positions)
         self.extras = {name: move(t) for name, t in self.extras.items()}

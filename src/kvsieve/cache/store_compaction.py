@@ -1,7 +1,8 @@
 """Compacting a layer store: keep chosen entries per segment, select batch rows, drop by position, and
 edit entries in place (merges, side-data updates). Capacity shrinks to exactly what is kept, plus the rows
 :meth:`StoreCompaction.reserving` asks for (a compaction while decoding leaves room for the appends until
-the next one, so they are written in place instead of moving every segment again)."""
+the next one, so they are written in place instead of moving every segment again), or, for heads of similar
+lengths, to the longest segment's for every one (a padded layout: :meth:`StoreCompaction.pads`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvsieve.cache.length_groups import call_cost, plan_groups
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout
 
@@ -49,9 +51,11 @@ class StoreCompaction(StoreLayout):
         total = int(counts.sum())
         src = src.to(self.device)
         capacity = counts + self._reserve
+        if self.pads(counts):  # equal capacities: a zero-copy padded view (module docstring of store_layout)
+            capacity = torch.full_like(counts, int(counts.max()) + self._reserve)
         new_start = torch.cumsum(capacity, 0) - capacity
         rows = src
-        if self._reserve and total:
+        if total and bool((capacity > counts).any()):
             # one gather fills each segment's kept rows and, past them, repeats its last one (free rows)
             kept_start = torch.cumsum(counts, 0) - counts
             offs = torch.arange(int(capacity.max()))
@@ -67,6 +71,19 @@ class StoreCompaction(StoreLayout):
         self._set_ragged(new_start, counts, capacity if total else counts.clone())
         self._layout_changed()
         return src
+
+    def pads(self, counts: torch.Tensor) -> bool:
+        """Whether a compaction keeping ``counts`` (host, per segment, not all equal) lays the segments out padded:
+        equal capacities, so a decoding step attends over a zero-copy view instead of gathering every held entry
+        into a padded copy (``(segments, longest)`` slots, the same rows this layout holds).
+
+        Chosen exactly when a decoding step would attend over one padded view anyway (:func:`plan_groups` finds
+        no length groups worth their calls): the buffers then hold ``segments × longest`` rows between steps
+        instead of the held entries alone, while a step no longer builds its ``segments × longest`` copy, so the
+        peak within a step does not grow. Heads of very different lengths stay compact (length groups)."""
+        if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
+            return False
+        return plan_groups(counts, call_cost(self.device)) is None
 
     def _keep_uniform(self, local_index: torch.Tensor, kept: int) -> torch.Tensor:
         """:meth:`keep` of a uniform store where every segment keeps ``kept`` entries: the layout stays uniform

@@ -11,6 +11,11 @@ order. Two layouts share these buffers:
 * **ragged** — per-segment ``start``/``length``/``capacity`` (host ``long`` tensors: bookkeeping only,
   the entries stay on the input's device). ``dense()`` gathers into a padded view with a validity mask;
   the gather index is cached and rebuilt only when the layout changes or entries are appended.
+  A ragged layout whose segments all have the same capacity, back to back (**padded**: a compaction chooses
+  it when a decoding step would attend over one padded view anyway, see
+  :meth:`~kvsieve.cache.store_compaction.StoreCompaction.keep`), has a zero-copy ``dense()`` instead: the
+  buffers viewed ``(batch, heads, capacity, ...)`` up to the longest segment, with the validity mask; its free
+  rows hold copies of held entries (finite, so a masked slot adds exact zeros to an attention output).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class StoreLayout:
         self._start = self._length = self._capacity = torch.zeros(0, dtype=torch.long)
         self._max_length = 0
         self._min_slack = 0
+        #: The common capacity of a padded ragged layout (equal capacities, back to back); None otherwise.
+        self._stride: int | None = None
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._next_rows: torch.Tensor | None = None
@@ -86,6 +93,11 @@ class StoreLayout:
     def is_uniform(self) -> bool:
         """All segments have equal length and capacity, back to back (zero-copy dense view)."""
         return self._uniform is not None
+
+    @property
+    def is_padded(self) -> bool:
+        """Ragged lengths in equal capacities, back to back: :meth:`dense` is a zero-copy view (module docstring)."""
+        return self._stride is not None
 
     @property
     def max_length(self) -> int:
@@ -124,23 +136,23 @@ class StoreLayout:
         """Adopt a uniform layout of ``length`` entries in ``capacity`` rows per segment, back to back."""
         self._forget_layout()
         self._uniform = (length, capacity)
+        self._stride = None
 
     def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor) -> None:
         """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
         self._forget_layout()
         segs = self.segments
+        self._stride = None
         if segs == 0:
             self._uniform = (0, 0)
             return
         first_len, first_cap = int(length[0]), int(capacity[0])
-        if (
-            bool((length == first_len).all())
-            and bool((capacity == first_cap).all())
-            and bool((start == torch.arange(segs) * first_cap).all())
-        ):
+        strided = bool((capacity == first_cap).all()) and bool((start == torch.arange(segs) * first_cap).all())
+        if strided and bool((length == first_len).all()):
             self._uniform = (first_len, first_cap)
             return
         self._uniform = None
+        self._stride = first_cap if strided else None
         self._start, self._length, self._capacity = start.clone(), length.clone(), capacity.clone()
         self._max_length = int(length.max())
         self._min_slack = int((capacity - length).min())
@@ -249,6 +261,18 @@ class StoreLayout:
 
             out = DenseView(keys.narrow(2, 0, length), values.narrow(2, 0, length), None, None, None, view,
                             tuple(self.extras))
+        elif self._stride is not None:
+            _, valid, max_len = self.gather_index()  # its validity; kept up to date by decoding appends
+            stride = self._stride
+
+            def narrow(t: torch.Tensor) -> torch.Tensor:
+                return t.view(b, h, stride, *t.shape[1:]).narrow(2, 0, max_len)
+
+            def padded(name: str) -> torch.Tensor:
+                return narrow(self.positions if name == "positions" else self.extras[name])
+
+            out = DenseView(narrow(self.keys), narrow(self.values), None, valid.view(b, h, max_len), None, padded,
+                            tuple(self.extras))
         else:
             index, valid, max_len = self.gather_index()
             flat = index.reshape(-1)
@@ -271,10 +295,11 @@ class StoreLayout:
         self._dense_cache = None
 
     def view_nbytes(self) -> int:
-        """Bytes of cached views that copy entries (a ragged layout's gathered dense view; a uniform one's views
-        share the buffers and count 0): memory beyond :meth:`nbytes` while they live, 0 between engine steps."""
+        """Bytes of cached views that copy entries (a ragged layout's gathered dense view; a uniform or padded
+        one's views share the buffers and count 0): memory beyond :meth:`nbytes` while they live, 0 between
+        engine steps."""
         view = self._dense_cache
-        if view is None or self._uniform is not None:
+        if view is None or self._uniform is not None or self._stride is not None:
             return 0
         return sum(t.nbytes for t in (view.keys, view.values, view.valid) if t is not None)
 
