@@ -464,3 +464,5 @@ def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
     assert store.view_nbytes() == 0
     assert not store.pads(torch.tensor([1, 1, 1, 1, 1, 400]))  # a long head among short ones: length groups
     assert not store.pads(torch.tensor([5, 5, 5, 5, 5, 5]))  # equal: uniform
+    assert not store.pads(torch.tensor([10, 10, 10, 10, 10, 20]))  # padding above MAX_PADDING of what is held
+    assert store.pads(torch.tensor([10, 10, 10, 10, 10, 12]))
