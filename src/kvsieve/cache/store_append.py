@@ -94,6 +94,8 @@ class StoreAppend(StoreLayout):
         self.positions.index_fill_(0, dst, position)
         for name, t in self.extras.items():
             t.index_fill_(0, dst, self.side_specs[name].fill)
+        if self._padded_valid is not None:  # a padded layout's validity: the written slot, in place
+            self._padded_valid.scatter_(1, col, True)
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
             index, valid, width = cached

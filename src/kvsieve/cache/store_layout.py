@@ -65,6 +65,9 @@ class StoreLayout:
         self._min_slack = 0
         #: The common capacity of a padded ragged layout (equal capacities, back to back); None otherwise.
         self._stride: int | None = None
+        #: A padded layout's validity ``(segments, capacity)`` on the entries' device (decoding appends set one slot
+        #: per segment in place; its dense view narrows it to the longest segment).
+        self._padded_valid: torch.Tensor | None = None
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._next_rows: torch.Tensor | None = None
@@ -131,6 +134,7 @@ class StoreLayout:
         self._appended = None
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
+        self._padded_valid = None
 
     def _set_uniform(self, length: int, capacity: int) -> None:
         """Adopt a uniform layout of ``length`` entries in ``capacity`` rows per segment, back to back."""
@@ -262,8 +266,10 @@ class StoreLayout:
             out = DenseView(keys.narrow(2, 0, length), values.narrow(2, 0, length), None, None, None, view,
                             tuple(self.extras))
         elif self._stride is not None:
-            _, valid, max_len = self.gather_index()  # its validity; kept up to date by decoding appends
-            stride = self._stride
+            stride, max_len = self._stride, self._max_length
+            if self._padded_valid is None:
+                self._padded_valid = (torch.arange(stride)[None, :] < self._length[:, None]).to(self.device)
+            valid = self._padded_valid.narrow(1, 0, max_len)
 
             def narrow(t: torch.Tensor) -> torch.Tensor:
                 return t.view(b, h, stride, *t.shape[1:]).narrow(2, 0, max_len)
