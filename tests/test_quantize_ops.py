@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsieve.ops.quantize import SUPPORTED_BITS, dequantize, pack, quantize, unpack
+from kvsieve.ops.quantize import SUPPORTED_BITS, code_table, dequantize, pack, quantize, unpack, unpack_float
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
@@ -77,3 +77,16 @@ def test_bad_arguments_name_the_parameter():
         quantize(torch.zeros(4, 6), 4, group=4, per_channel=False)
     with pytest.raises(ValueError, match="group must divide the rows"):
         quantize(torch.zeros(6, 4), 4, group=4, per_channel=True)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_unpack_float_reads_the_same_codes_as_unpack(bits):
+    """The word-wise table lookup (the decoding step's unpack on the CPU) gives :func:`unpack`'s codes as floats, for
+    partial last bytes, a non-contiguous input and an empty one."""
+    generator = torch.Generator().manual_seed(bits)
+    table = code_table(bits, torch.device("cpu"))
+    for rows, n in ((7, 60), (32, 64), (0, 8)):
+        packed = torch.randint(0, 256, (3, rows, (n * bits + 7) // 8), dtype=torch.uint8, generator=generator)
+        assert torch.equal(unpack_float(packed, table, n), unpack(packed, bits, n).float())
+    wide = torch.randint(0, 256, (4, 16, 8), dtype=torch.uint8, generator=generator).transpose(0, 1)
+    assert torch.equal(unpack_float(wide, table, 8 * 8 // bits), unpack(wide, bits, 8 * 8 // bits).float())

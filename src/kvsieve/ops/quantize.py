@@ -64,13 +64,20 @@ def unpack_float(packed: torch.Tensor, table: torch.Tensor, n: int) -> torch.Ten
     """:func:`unpack` straight to float32 (decoding dequantizes every quantized entry at every step).
 
     On the CPU through :func:`code_table`'s ``table`` (one lookup per byte instead of a shift, a mask and a
-    conversion per code: 41 vs 57 µs for a 2-bit tier of 960 entries on one core); on other devices with shifts
-    and masks, which are elementwise there (on an H200: 44 µs against 400 µs for the lookup, 655k bytes).
+    conversion per code: 41 vs 57 µs for a 2-bit tier of 960 entries on one core), each table row read as one
+    or two machine words (the ``8 / bits`` float32 codes of a byte are 4, 8 or 16 bytes): a gather of words
+    instead of rows of floats, ~25% faster for a 4-bit tier (192 vs 254 µs for 491k codes on 2 threads). On other
+    devices with shifts and masks, which are elementwise there (on an H200: 44 µs against 400 µs for the lookup,
+    655k bytes).
     """
     if packed.device.type != "cpu":
         return unpack(packed, 8 // table.shape[1], n).float()
-    codes = torch.nn.functional.embedding(packed.int(), table)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * table.shape[1])[..., :n]
+    per_byte = table.shape[1]
+    words = table.view(torch.int64) if per_byte % 2 == 0 else table.view(torch.int32)  # (256, 1 or 2)
+    if words.shape[1] == 1:
+        words = words.view(256)
+    codes = words.index_select(0, packed.reshape(-1).int()).view(torch.float32)
+    return codes.view(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n]
 
 
 @dataclass
