@@ -83,8 +83,10 @@ class StoreCompaction(StoreLayout):
         Chosen when a decoding step would attend over one padded view anyway (:func:`plan_groups` finds no length
         groups worth their calls) and the padding is at most :data:`MAX_PADDING` of the held entries: the buffers
         then hold up to that many more rows between steps (allocated, not held: ``KVCache.storage()`` reports
-        both). Measured on the default model (4k prompt, AdaKV at 256, float32): a decoding step 1.26 → 1.15× a
-        ``DynamicCache``'s at batch 8, level at batch 1; allocated bytes +14%. Heads of very different lengths
+        both). Measured on the default model (4k prompt, AdaKV at 256, float32): with no cap on the padding a
+        decoding step went from 1.21–1.28 to 1.15× a ``DynamicCache``'s at batch 8 (level at batch 1) for 14% more
+        allocated bytes; the 25% cap pads 18 of 30 layers at batch 1 (+7% allocated), 5 at batch 4 (+3%), and gains
+        correspondingly less (``benchmarks/results/engine_overhead_float32*.json``). Heads of very different lengths
         stay compact (length groups)."""
         if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
             return False
