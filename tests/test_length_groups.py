@@ -92,6 +92,19 @@ def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, 
     assert torch.equal(all_entries_output(step, step.module, None, None), grouped)  # the engine's choice
 
 
+def greedy_step_logits(model: torch.nn.Module, cache: kvsieve.KVCache, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Prefill ``ids``, then ``steps`` greedy decoding steps: the last logits of each step, stacked."""
+    logits = []
+    with torch.inference_mode():
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = model(token, **cache_kwargs(model, cache), use_cache=True)
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits)
+
+
 def test_duo_attention_decodes_the_same_with_and_without_length_groups(monkeypatch):
     model = build_model("llama")
     pattern = random_pattern(model, seed=4)
@@ -100,17 +113,10 @@ def test_duo_attention_decodes_the_same_with_and_without_length_groups(monkeypat
     for cost in (1, 10**9):  # grouped on every layer with a long and a short head / never
         monkeypatch.setattr(length_groups, "CALL_COST", cost)
         cache = kvsieve.KVCache(model, "duo_attention", budget=10, sinks=2, pattern=pattern, schedule="decode")
-        logits = []
-        with torch.inference_mode():
-            out = model(ids, **cache_kwargs(model, cache), use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-            for _ in range(6):
-                out = model(token, **cache_kwargs(model, cache), use_cache=True)
-                logits.append(out.logits[:, -1])
-                token = out.logits[:, -1:].argmax(-1)
+        logits = greedy_step_logits(model, cache, ids, 6)
         grouped_layers = sum(layer.store.length_groups() is not None for layer in cache.layers
                              if layer.store is not None)
-        outputs.append((torch.stack(logits), grouped_layers))
+        outputs.append((logits, grouped_layers))
     (grouped, used), (padded, unused) = outputs
     assert used > 0 and unused == 0
     torch.testing.assert_close(grouped, padded, atol=1e-5, rtol=1e-5)
@@ -221,16 +227,9 @@ def test_adakv_decodes_the_same_padded_and_compact(monkeypatch, dtype):
         if forced is not None:
             monkeypatch.setattr(StoreCompaction, "pads", lambda self, counts: False)
         cache = kvsieve.KVCache(model, "adakv", budget=24, window=4)
-        logits = []
-        with torch.inference_mode():
-            out = model(ids, **cache_kwargs(model, cache), use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-            for _ in range(5):
-                out = model(token, **cache_kwargs(model, cache), use_cache=True)
-                logits.append(out.logits[:, -1])
-                token = out.logits[:, -1:].argmax(-1)
+        logits = greedy_step_logits(model, cache, ids, 5)
         padded = sum(layer.store.is_padded for layer in cache.layers if layer.store is not None)
-        runs.append((torch.stack(logits), padded))
+        runs.append((logits, padded))
     (padded_logits, padded_layers), (compact_logits, compact_layers) = runs
     assert padded_layers > 0 and compact_layers == 0
     assert torch.equal(padded_logits, compact_logits)
