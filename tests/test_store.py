@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsieve.cache.store import GROWTH, LayerStore
 from kvsieve.cache.store_compaction import StoreCompaction
@@ -466,3 +468,70 @@ def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
     assert not store.pads(torch.tensor([5, 5, 5, 5, 5, 5]))  # equal: uniform
     assert not store.pads(torch.tensor([10, 10, 10, 10, 10, 20]))  # padding above MAX_PADDING of what is held
     assert store.pads(torch.tensor([10, 10, 10, 10, 10, 12]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data())
+def test_padded_and_compact_layouts_hold_the_same_entries(data):
+    """Property: whatever each segment keeps, then any mix of decoding appends, ragged prompt appends (some tokens
+    padding) and further compactions, a store laid out padded and one laid out compact hold the same entries —
+    lengths, keys, values, positions and side data per segment, and the same dense view on every valid slot."""
+    stores = {}
+    for layout, on in (("padded", True), ("compact", False)):
+        store = make_store()
+        store.pads = lambda counts, on=on: on and counts.numel() > 1 and int(counts.min()) != int(counts.max())
+        stores[layout] = store
+    keys, values = kv(12, seed=data.draw(st.integers(0, 99)))
+    for store in stores.values():
+        store.append(keys, values, 0, None)
+        store.ensure_extra("acc")
+    position = 12
+    for action in data.draw(st.lists(st.sampled_from(["keep", "step", "prompt"]), min_size=1, max_size=6)):
+        lengths = stores["compact"].length
+        if action == "keep":
+            seed = data.draw(st.integers(0, 999))
+            picks = []
+            for s, n in enumerate(lengths.tolist()):
+                order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + s))
+                chosen = order[: data.draw(st.integers(0, n))]
+                picks.append(torch.sort(chosen).values)
+            counts = torch.tensor([pick.numel() for pick in picks])
+            width = max(1, int(counts.max()))
+            local = torch.stack([torch.cat([pick, torch.full((width - pick.numel(),), width, dtype=torch.long)])
+                                 for pick in picks])
+            for store in stores.values():
+                store.keep(local, counts)
+            uneven = int(counts.min()) != int(counts.max())
+            assert stores["padded"].is_padded == uneven and not stores["compact"].is_padded
+        elif action == "step":
+            new_keys, new_values = kv(1, seed=position)
+            for store in stores.values():
+                store.append(new_keys, new_values, position, None)
+                store.add_to_appended("acc", torch.full((B, H, 1), float(position)))
+            position += 1
+        else:
+            q = data.draw(st.integers(1, 3))
+            token_valid = torch.tensor([[data.draw(st.booleans()) for _ in range(q)] for _ in range(B)])
+            new_keys, new_values = kv(q, seed=position)
+            for store in stores.values():
+                store.append(new_keys, new_values, position, token_valid)
+            position += q
+        _same_entries_and_views(stores["padded"], stores["compact"])  # views read between actions too
+
+
+def _same_entries_and_views(padded: LayerStore, compact: LayerStore) -> None:
+    """The same lengths and per-segment entries, and the same dense view on every valid slot."""
+    assert torch.equal(padded.length, compact.length)
+    for b in range(B):
+        for h in range(H):
+            for got, want in zip(segment(padded, b, h), segment(compact, b, h), strict=True):
+                assert torch.equal(got, want)
+    view_p, view_c = padded.dense(), compact.dense()
+    valid = view_c.valid if view_c.valid is not None else torch.ones(view_c.keys.shape[:3], dtype=torch.bool)
+    assert view_p.keys.shape == view_c.keys.shape
+    assert torch.equal(view_p.valid if view_p.valid is not None else torch.ones_like(valid), valid)
+    assert torch.equal(view_p.positions[valid], view_c.positions[valid])
+    assert torch.equal(view_p.extras["acc"][valid], view_c.extras["acc"][valid])
+    assert torch.equal(view_p.keys[valid], view_c.keys[valid])
+    assert torch.equal(view_p.values[valid], view_c.values[valid])
+
