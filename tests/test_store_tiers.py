@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_quantize_ops import _kivi_by_hand
 
@@ -10,11 +11,11 @@ from kvsieve.cache.store import LayerStore
 B, H, D = 2, 2, 16
 
 
-def _store(length: int = 12) -> tuple[LayerStore, torch.Tensor, torch.Tensor]:
+def _store(length: int = 12, dtype: torch.dtype = torch.float32) -> tuple[LayerStore, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(B, H, length, D, generator=gen)
-    values = torch.randn(B, H, length, D, generator=gen)
-    store = LayerStore(B, H, D, torch.float32, torch.device("cpu"))
+    keys = torch.randn(B, H, length, D, generator=gen).to(dtype)
+    values = torch.randn(B, H, length, D, generator=gen).to(dtype)
+    store = LayerStore(B, H, D, dtype, torch.device("cpu"))
     store.append(keys, values, 0, None)
     store.add_tier(bits=4, group=4, value_group=8)
     return store, keys, values
@@ -166,11 +167,13 @@ def test_a_trim_drops_quantized_entries_even_when_as_many_stay_as_are_in_full_pr
     assert torch.equal(view.positions, torch.arange(8, 12).expand(B, H, 4))
 
 
-def test_the_attention_view_holds_the_dense_views_entries_when_heads_hold_different_group_counts():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_view_holds_the_dense_views_entries_when_heads_hold_different_group_counts(dtype):
     """Heads with 1, 2 and 3 quantized groups: the attention view gathers the packed groups of its padded layout
-    before dequantizing; every real slot equals the dense view's entry of the same position bit for bit, and the
-    padded slots are marked invalid."""
-    store, _, _ = _store()
+    before dequantizing (straight into the view's slice, rounded to the model dtype as the dense view rounds);
+    every real slot equals the dense view's entry of the same position bit for bit, and the padded slots are
+    marked invalid."""
+    store, _, _ = _store(dtype=dtype)
     old = [[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 2, 4, 6], [1, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     stay = [[i for i in range(12) if i not in r] for r in old]
     store.keep(*_tiered(old, stay))

@@ -173,13 +173,18 @@ class QuantizedTier:
         self.groups_per_segment = old_groups + new_groups
 
     # ------------------------------------------------------------------ reading
-    def dequantized(self, groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized(self, groups: torch.Tensor | None = None,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every slot ``(groups, G, d)`` in the model dtype (free slots hold garbage):
         ``code·step + minimum`` computed in float32 (one lookup for the codes, one fused multiply-add).
 
         ``groups``: an index of the groups to dequantize, in that order (repeats allowed): the packed codes and
         their steps and minimums are gathered first, so only those groups are expanded (the same numbers as
-        gathering the dequantized groups, from ``bits/16`` of the bytes moved)."""
+        gathering the dequantized groups, from ``bits/16`` of the bytes moved).
+
+        ``out``: tensors to write the keys and values into (any strides; as many elements as the result, e.g. a
+        slice of a larger attention view), rounded to their dtype as ``.to`` rounds: the caller's view then needs no
+        second copy of the dequantized entries."""
         g, d = self.group, self.head_dim
         if self._table is None:
             self._table = code_table(self.bits, self.device)
@@ -195,19 +200,33 @@ class QuantizedTier:
                                                                       self.value_group)
         params = value_params.float()
         values = torch.addcmul(params[:, :, 1, :, None], value_floats, params[:, :, 0, :, None])
+        if out is not None:
+            out[0].copy_(keys.view(out[0].shape))
+            out[1].copy_(values.view(out[1].shape))
+            return out
         return keys.to(self.dtype), values.reshape(count, g, d).to(self.dtype)
 
-    def attention_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """:meth:`dense`'s ``(keys, values, positions, valid)`` for attention, with ``valid`` None when every slot
-        holds an entry. The slot layout (and the positions) are kept until the tier changes, so a decoding step
-        only dequantizes — and, when heads hold different numbers of groups, the groups of the padded layout
-        are gathered packed, before dequantizing (:meth:`dequantized`)."""
+    def attention_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The slot layout :meth:`attention_parts` reads, ``(group index, positions, valid)``: kept until the tier
+        changes (positions ``(batch, heads, slots)`` give the number of slots)."""
         layout = self._layout
         if layout is None or layout[0] != self.version:
             layout = self._layout = (self.version, *self._slot_layout())
-        _, index, positions, valid = layout
-        keys, values = self.dequantized(index)
+        return layout[1], layout[2], layout[3]
+
+    def attention_parts(self, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`dense`'s ``(keys, values, positions, valid)`` for attention, with ``valid`` None when every slot
+        holds an entry. The slot layout (and the positions) are kept until the tier changes, so a decoding step
+        only dequantizes — and, when heads hold different numbers of groups, the groups of the padded layout
+        are gathered packed, before dequantizing (:meth:`dequantized`). ``out``: ``(batch, heads, slots, d)``
+        tensors (slices of the caller's view) the keys and values are written into."""
+        index, positions, valid = self.attention_layout()
         shape = (self.batch, self.heads, positions.shape[2], self.head_dim)
+        if out is not None:
+            keys, values = self.dequantized(index, out)
+            return keys, values, positions, valid
+        keys, values = self.dequantized(index)
         return keys.view(shape), values.view(shape), positions, valid
 
     def _slot_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:

@@ -165,14 +165,26 @@ class StoreTiers(StoreCompaction):
     def attention_view(self) -> DenseView:
         """Every held entry for attention, **not** in position order: the full-precision view, then each tier's
         slots (:meth:`QuantizedTier.attention_parts`). Attention depends on the entries and their positions, not
-        their order, so a decoding step reads this instead of :meth:`dense`: it dequantizes and concatenates,
-        but neither sorts nor gathers. Without tier entries it is :meth:`dense`."""
+        their order, so a decoding step reads this instead of :meth:`dense`: it dequantizes, but neither sorts nor
+        gathers. Without tier entries it is :meth:`dense`. The view is allocated once, the full-precision entries
+        copied into its front and each tier dequantized straight into its slice (a concatenation would copy the
+        dequantized entries a second time)."""
         full = super().dense()
         if not self.tiered:
             return full
-        parts = [tier.attention_parts() for tier in self.tiers if not tier.empty]
-        keys = torch.cat([full.keys, *(part[0] for part in parts)], dim=2)
-        values = torch.cat([full.values, *(part[1] for part in parts)], dim=2)
+        tiers = [tier for tier in self.tiers if not tier.empty]
+        widths = [full.keys.shape[2], *(tier.attention_layout()[1].shape[2] for tier in tiers)]
+        shape = (self.batch, self.heads, sum(widths), self.head_dim)
+        keys = torch.empty(shape, dtype=full.keys.dtype, device=self.device)
+        values = torch.empty(shape, dtype=full.values.dtype, device=self.device)
+        keys[:, :, : widths[0]].copy_(full.keys)
+        values[:, :, : widths[0]].copy_(full.values)
+        parts = []
+        offset = widths[0]
+        for tier, width in zip(tiers, widths[1:], strict=True):
+            window = slice(offset, offset + width)
+            parts.append(tier.attention_parts((keys[:, :, window], values[:, :, window])))
+            offset += width
         valids = [full.valid, *(part[3] for part in parts)]
         valid = None
         if any(v is not None for v in valids):
