@@ -222,12 +222,11 @@ class QuantizedTier:
         are gathered packed, before dequantizing (:meth:`dequantized`). ``out``: ``(batch, heads, slots, d)``
         tensors (slices of the caller's view) the keys and values are written into."""
         index, positions, valid = self.attention_layout()
-        shape = (self.batch, self.heads, positions.shape[2], self.head_dim)
-        if out is not None:
-            keys, values = self.dequantized(index, out)
-            return keys, values, positions, valid
-        keys, values = self.dequantized(index)
-        return keys.view(shape), values.view(shape), positions, valid
+        keys, values = self.dequantized(index, out)
+        if out is None:
+            shape = (self.batch, self.heads, positions.shape[2], self.head_dim)
+            keys, values = keys.view(shape), values.view(shape)
+        return keys, values, positions, valid
 
     def _slot_layout(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Group gather index (None when every segment holds as many groups), padded positions, and slot
