@@ -38,6 +38,33 @@ def test_fresh_gate_is_almost_one():
 
 
 @pytest.mark.parametrize("tied", [True, False])
+def test_inference_gate_path_matches_training_path_and_follows_weight_updates(tied):
+    """Without gradients the gates run flattened weights (one ``addmm`` for every head): the same log β as the
+    per-head form autograd trains through (float32 rounding), for batch and token counts > 1, and an in-place
+    update of the weights (an optimizer step, ``load_state_dict``) is seen by the next call (no stale copy)."""
+    model = build_model("llama")
+    gates = _gates(model, tied=tied).requires_grad_(True)
+    x = torch.randn(3, 5, model.config.hidden_size)
+    for layer in range(model.config.num_hidden_layers):
+        with torch.enable_grad():
+            trained = gates.log_beta(layer, x)
+        assert trained.requires_grad
+        with torch.no_grad():
+            inferred = gates.log_beta(layer, x)
+        assert inferred.shape == (3, model.config.num_key_value_heads, 5)
+        torch.testing.assert_close(inferred, trained.detach(), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        before = gates.log_beta(1, x)
+        gates.w_in.mul_(-1.0)
+        gates.b_in.add_(0.5)
+        after = gates.log_beta(1, x)
+    with torch.enable_grad():
+        reference = gates.log_beta(1, x).detach()
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
 def test_save_load_round_trip_bit_exact(tmp_path, tied):
     model = build_model("llama")
     gates = _gates(model, tied=tied)

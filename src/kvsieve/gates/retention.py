@@ -106,6 +106,8 @@ class RetentionGates(torch.nn.Module):
         out_shape = (r,) if config.tied else (layers, heads, r)
         self.w_out = torch.nn.Parameter(torch.randn(*out_shape, generator=gen) * init_std)
         self.b_out = torch.nn.Parameter(torch.full(() if config.tied else (layers, heads), B_OUT_INIT))
+        #: Per layer, the input weights flattened for :meth:`_inference_logits`, with the weights' identity and version.
+        self._flat: dict[int, tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         c = self.config
@@ -126,12 +128,40 @@ class RetentionGates(torch.nn.Module):
         return moved.requires_grad_(False)
 
     def logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Gate pre-activations ``z`` ``(batch, kv_heads, tokens)`` from ``hidden`` ``(batch, tokens, d)``."""
+        """Gate pre-activations ``z`` ``(batch, kv_heads, tokens)`` from ``hidden`` ``(batch, tokens, d)``.
+
+        Without gradients (inference: a cache scoring its new entries at every layer and decoding step) every head's
+        input layer is one ``(d, heads·r)`` matrix applied by one ``addmm`` (:meth:`_inference_logits`); with them
+        (training) the per-head form below, which autograd sees through. Both compute the same sums (within float
+        rounding: 1e-7 on log β in float32)."""
+        if not (torch.is_grad_enabled() and self.w_in.requires_grad):
+            return self._inference_logits(layer, hidden)
         x = hidden.to(self.w_in.dtype).unsqueeze(1)  # (batch, 1, tokens, d) @ (heads, d, r): one batched matmul
         inner = torch.nn.functional.silu(torch.matmul(x, self.w_in[layer]) + self.b_in[layer, :, None])
         if self.config.tied:
             return inner @ self.w_out + self.b_out
         return (inner @ self.w_out[layer].unsqueeze(-1)).squeeze(-1) + self.b_out[layer, :, None]
+
+    def _inference_logits(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` as ``silu(x·W + b)`` with ``W`` ``(d, heads·r)`` (the heads' input layers side by side,
+        flattened once per layer and kept while the weights stay the same tensors, unmodified), then each head's
+        readout: 3 operations instead of a broadcast batched matmul (64 → 23 µs per layer at batch 8, CPU)."""
+        heads, dim, hidden_units = self.w_in.shape[1:]
+        key = (self.w_in.data_ptr(), self.w_in._version, self.b_in.data_ptr(), self.b_in._version)
+        cached = self._flat.get(layer)
+        if cached is None or cached[0] != key:
+            weight = self.w_in[layer].detach().transpose(0, 1).reshape(dim, heads * hidden_units).contiguous()
+            cached = (key, weight, self.b_in[layer].detach().reshape(heads * hidden_units).contiguous())
+            self._flat[layer] = cached
+        _, weight, bias = cached
+        batch, tokens, _ = hidden.shape
+        inner = torch.nn.functional.silu(torch.addmm(bias, hidden.reshape(batch * tokens, dim).to(weight.dtype),
+                                                     weight)).view(batch, tokens, heads, hidden_units)
+        if self.config.tied:
+            z = inner @ self.w_out + self.b_out
+        else:
+            z = (inner * self.w_out[layer]).sum(dim=-1) + self.b_out[layer]
+        return z.transpose(1, 2)
 
     def log_beta(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """``log β`` ``(batch, kv_heads, tokens)`` (float32), numerically safe for β near 1."""
