@@ -62,6 +62,11 @@ def test_inference_gate_path_matches_training_path_and_follows_weight_updates(ti
         reference = gates.log_beta(1, x).detach()
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, reference, rtol=0, atol=1e-6)
+    with torch.inference_mode():  # gates made under inference mode (their tensors track no versions)
+        frozen = _gates(model, tied=tied)
+        inferred = frozen.log_beta(2, x)
+    torch.testing.assert_close(inferred, _gates(model, tied=tied).requires_grad_(True).log_beta(2, x).detach(),
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -147,7 +147,7 @@ class RetentionGates(torch.nn.Module):
         flattened once per layer and kept while the weights stay the same tensors, unmodified), then each head's
         readout: 3 operations instead of a broadcast batched matmul (64 → 23 µs per layer at batch 8, CPU)."""
         heads, dim, hidden_units = self.w_in.shape[1:]
-        key = (self.w_in.data_ptr(), self.w_in._version, self.b_in.data_ptr(), self.b_in._version)
+        key = (self.w_in.data_ptr(), _version(self.w_in), self.b_in.data_ptr(), _version(self.b_in))
         cached = self._flat.get(layer)
         if cached is None or cached[0] != key:
             weight = self.w_in[layer].detach().transpose(0, 1).reshape(dim, heads * hidden_units).contiguous()
@@ -177,6 +177,12 @@ class RetentionGates(torch.nn.Module):
         save_file(tensors, str(weights), metadata={"format": FORMAT})
         meta.write_text(json.dumps(asdict(self.config), indent=1, sort_keys=True) + "\n")
         return weights, meta
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place modification counter; -1 for an inference tensor (gates loaded under
+    ``torch.inference_mode``), which tracks none: such gates are read-only where they were made."""
+    return -1 if t.is_inference() else t._version
 
 
 def gate_files(stem: str | Path) -> tuple[Path, Path]:
