@@ -53,12 +53,37 @@ def test_plan_covers_every_segment_once_and_saves_padding(lengths):
     assert padded <= (1 - MIN_SAVING) * len(lengths) * max(lengths)
 
 
-def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[int], seed: int = 0) -> LayerStep:
-    """A decoding step of a store whose segments hold ``lengths`` entries (then one more, appended in place)."""
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=9))
+def test_partitions_hold_the_fewest_padded_slots_for_each_number_of_runs(lengths):
+    """Against every cut of the sorted lengths into ``g`` contiguous runs (brute force)."""
+    from itertools import combinations
+
+    cuts = length_groups.partitions(torch.tensor(lengths))
+    ordered = sorted(lengths)
+    assert sorted(cuts) == list(range(1, min(MAX_GROUPS, len(lengths)) + 1))
+    for g, (slots, runs) in cuts.items():
+        brute = min(sum((b - a) * ordered[b - 1] for a, b in zip((0, *bounds), (*bounds, len(ordered)), strict=True))
+                    for bounds in combinations(range(1, len(ordered)), g - 1))
+        assert slots == brute and len(runs) == g
+        assert sorted(torch.cat([members for members, _, _ in runs]).tolist()) == list(range(len(lengths)))
+        assert slots == sum(members.numel() * longest for members, longest, _ in runs)
+        for members, longest, equal in runs:
+            own = [lengths[i] for i in members.tolist()]
+            assert longest == max(own) and equal == (min(own) == max(own))
+
+
+def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[int], seed: int = 0,
+                         strided: bool = False) -> LayerStep:
+    """A decoding step of a store whose segments hold ``lengths`` entries (then one more, appended in place); the
+    compaction lays them out compact (each group gathered at decoding) unless ``strided`` (its strided runs, when
+    :meth:`~kvsieve.cache.store_compaction.StoreCompaction.plan_runs` finds them)."""
     dim = 8
     generator = torch.Generator().manual_seed(seed)
     total = max(lengths)
     store = LayerStore(batch, kv_heads, dim, torch.float32, torch.device("cpu"))
+    if not strided:
+        store.plan_runs = lambda counts: None  # type: ignore[method-assign]
     store.append(torch.randn(batch, kv_heads, total, dim, generator=generator),
                  torch.randn(batch, kv_heads, total, dim, generator=generator), 0, None)
     local = torch.zeros(batch * kv_heads, total, dtype=torch.long)
@@ -81,11 +106,16 @@ def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[i
     (2, 2, 2, [5, 400, 400, 7]),
     (2, 3, 1, [50, 1, 900, 900, 3, 60]),
 ])
-def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, groups, lengths):
+@pytest.mark.parametrize("strided", [False, True])
+def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, groups, lengths, strided):
+    """Gathered groups (a compact layout) or strided runs viewed in place: the padded view's attention."""
     monkeypatch.setattr(length_groups, "CALL_COST", 1)
-    step = ragged_decoding_step(batch, kv_heads, groups, lengths)
+    monkeypatch.setattr("kvsieve.cache.store_compaction.MAX_PADDING", 10.0)
+    step = ragged_decoding_step(batch, kv_heads, groups, lengths, strided=strided)
     planned = step.store.length_groups()
     assert planned is not None and len(planned) >= 2
+    assert (step.store.runs is not None) == strided
+    assert all((group.base is not None) == strided for group, _ in planned)
     grouped = grouped_decode_output(step, planned)
     padded = all_entries_output(step, step.module, None, None, step.view)  # the padded view, explicitly
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
@@ -233,3 +263,31 @@ def test_adakv_decodes_the_same_padded_and_compact(monkeypatch, dtype):
     (padded_logits, padded_layers), (compact_logits, compact_layers) = runs
     assert padded_layers > 0 and compact_layers == 0
     assert torch.equal(padded_logits, compact_logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dbtrimkv_decodes_the_same_in_strided_runs_and_compact(monkeypatch, dtype):
+    """DBTrimKV's global budget leaves heads of very different lengths, decoded by length group: laid out in
+    strided runs (each group a zero-copy view) or compact (each group gathered at every step), the same logits at
+    every decoding step (not bit for bit: the two layouts may cut the heads into different groups, so SDPA sums
+    over different batches), with the budget's compactions in between (buffer 2)."""
+    from helpers import random_gates
+
+    from kvsieve.cache.store_compaction import StoreCompaction
+
+    monkeypatch.setattr(length_groups, "CALL_COST", 1)  # the tiny model's short heads group as long ones would
+    model = build_model("llama").to(dtype)
+    gates = random_gates(model, seed=3)
+    ids = prompt(2, 64, seed=12)
+    runs = []
+    for strided in (True, False):
+        if not strided:
+            monkeypatch.setattr(StoreCompaction, "plan_runs", lambda self, counts: None)
+        cache = kvsieve.KVCache(model, "dbtrimkv", budget=12, buffer=2, window=2, gates=gates)
+        logits = greedy_step_logits(model, cache, ids, 6)
+        laid_out = sum(layer.store.runs is not None for layer in cache.layers if layer.store is not None)
+        runs.append((logits, laid_out))
+    (strided_logits, strided_layers), (compact_logits, compact_layers) = runs
+    assert strided_layers > 0 and compact_layers == 0
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(strided_logits.float(), compact_logits.float(), atol=tolerance, rtol=tolerance)

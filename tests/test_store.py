@@ -32,10 +32,34 @@ def segment(store: LayerStore, b: int, h: int) -> tuple[torch.Tensor, torch.Tens
     )
 
 
-@pytest.fixture(params=["compact", "padded"])
+def two_runs(counts: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
+    """Strided runs forced on any uneven ``counts``: the shorter and the longer half of the segments."""
+    if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
+        return None
+    order = torch.argsort(counts, stable=True).tolist()
+    half = len(order) // 2
+    return (tuple(order[:half]), tuple(order[half:]))
+
+
+def expected_capacity(store: LayerStore, counts: torch.Tensor, layout: str, reserve: int = 0) -> torch.Tensor:
+    """Capacities a ragged keep of ``counts`` leaves: what is kept (compact), the longest (padded), each strided
+    run's longest (strided), plus the reserved rows."""
+    if layout == "padded" and int(counts.min()) != int(counts.max()):
+        return torch.full_like(counts, int(counts.max())) + reserve
+    capacity = counts.clone()
+    if layout == "strided" and store.runs is not None:
+        for members in store.runs:
+            capacity[list(members)] = int(counts[list(members)].max())
+    return capacity + reserve
+
+
+@pytest.fixture(params=["compact", "padded", "strided"])
 def layout(request, monkeypatch) -> str:
-    """A ragged compaction's layout, forced: compact (capacity = what is kept) or padded (equal capacities)."""
+    """A ragged compaction's layout, forced: compact (capacity = what is kept), padded (equal capacities) or
+    strided (two runs of equal capacities each, segments in run order)."""
     monkeypatch.setattr(StoreCompaction, "pads", lambda self, counts, on=request.param == "padded": on)
+    monkeypatch.setattr(StoreCompaction, "plan_runs",
+                        lambda self, counts, on=request.param == "strided": two_runs(counts) if on else None)
     return request.param
 
 
@@ -118,8 +142,9 @@ def test_keep_copies_exact_entries_and_shrinks_capacity(layout):
         local[s, : len(chosen)] = torch.tensor(chosen, dtype=torch.long)
     store.keep(local, counts)
     assert store.lengths().reshape(-1).tolist() == counts.tolist()
-    capacity = counts if layout == "compact" else torch.full_like(counts, 6)  # padded: every segment the longest's
+    capacity = expected_capacity(store, counts, layout)  # padded: every segment the longest's
     assert torch.equal(store.capacity, capacity) and store.is_padded == (layout == "padded")
+    assert (store.runs is not None) == (layout == "strided")
     assert store.keys.shape[0] == int(capacity.sum())
     assert (store.nbytes() == store.used_nbytes()) == (layout == "compact")
     for s, chosen in enumerate(choices):
@@ -378,8 +403,7 @@ def test_keep_with_reserved_rows_keeps_the_same_entries_and_appends_in_place(cou
         reserved.keep(local, torch.tensor(counts))
     assert reserved._reserve == 0  # only inside the block
     kept = torch.tensor(counts)
-    uneven = layout == "padded" and len(set(counts)) > 1
-    assert torch.equal(reserved.capacity, (torch.full_like(kept, max(counts)) if uneven else kept) + 3)
+    assert torch.equal(reserved.capacity, expected_capacity(reserved, kept, layout, reserve=3))
     assert same_entries(plain, reserved)
     buffer = reserved.keys
     for step in range(3):  # three decoding appends fit in the reserved rows: written in place
@@ -470,16 +494,82 @@ def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
     assert store.pads(torch.tensor([10, 10, 10, 10, 10, 12]))
 
 
+def check_rows_map_to_their_segments(store: LayerStore) -> None:
+    """Every held row's segment, as :meth:`segments_of` finds it, is the segment holding it."""
+    for s in range(store.segments):
+        start, length = int(store.start[s]), int(store.length[s])
+        rows = torch.arange(start, start + length)
+        assert torch.equal(store.segments_of(rows), torch.full_like(rows, s))
+
+
+def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
+    """Long and short heads (a decoding step attends by length group): each group a run of equal capacities back to
+    back, viewed in place by the decoding step; its validity, the row → segment map, decoding appends (in place,
+    then a relayout that keeps the runs) and side data hold, and the entries are those of a compact twin."""
+    store, twin = make_store(), make_store()
+    twin.plan_runs = lambda counts: None  # type: ignore[method-assign]
+    keys, values = kv(320, seed=63)
+    counts = torch.tensor([5, 300, 6, 290, 4, 310])
+    local = torch.stack([torch.sort(torch.randperm(320, generator=torch.Generator().manual_seed(s))[:310]).values
+                         for s in range(B * H)])
+    for each in (store, twin):
+        each.append(keys, values, 0, None)
+        each.ensure_extra("acc")
+        each.keep(local, counts)
+    assert store.runs is not None and twin.runs is None and not store.is_padded
+    assert sorted(sorted(members) for members in store.runs) == [[0, 2, 4], [1, 3, 5]]
+    assert torch.equal(store.capacity, torch.tensor([6, 310, 6, 310, 6, 310]))
+
+    def check() -> None:
+        groups = store.length_groups()
+        assert groups is not None and len(groups) == 2
+        valid = store.row_valid()
+        for group, width in groups:
+            assert group.base is not None and group.stride == int(store.capacity[group.members[0]])
+            assert width == int(store.length[list(group.members)].max())
+            for i, s in enumerate(group.members):
+                assert int(store.start[s]) == group.base + i * group.stride
+                held = int(store.length[s])
+                rows = valid[group.base + i * group.stride: group.base + (i + 1) * group.stride]
+                assert rows[:held].all() and not rows[held:].any()
+        _same_entries_and_views(store, twin)
+        check_rows_map_to_their_segments(store)
+        assert torch.isfinite(store.keys).all() and torch.isfinite(store.values).all()
+
+    check()
+    buffer = store.keys
+    for step in range(3):  # the longest of each run has no slack: the first append relayouts, in runs again
+        for each in (store, twin):
+            each.append(*kv(1, seed=80 + step), 320 + step, None)
+            each.add_to_appended("acc", torch.full((B, H, 1), float(step + 1)))
+        assert store.runs is not None
+        check()
+    assert store.keys is not buffer
+    assert store.plan_runs(torch.tensor([5, 300, 6, 290, 4, 310])) is not None
+    empty = make_store()  # segments holding nothing (no rows) among others: rows still map to their segments
+    empty.plan_runs = lambda counts: ((3,), (0, 1), (2, 4, 5))  # type: ignore[method-assign]
+    empty.append(keys[:, :, :4], values[:, :, :4], 0, None)
+    empty.keep(torch.tensor([[0, 1, 2, 3]] * (B * H)), torch.tensor([2, 1, 3, 0, 3, 4]))
+    assert empty.runs == ((3,), (0, 1), (2, 4, 5)) and int(empty.start[3]) == int(empty.start[0]) == 0
+    check_rows_map_to_their_segments(empty)
+    assert store.plan_runs(torch.tensor([1, 300, 1, 200, 1, 100])) == ((0, 2, 4), (5,), (3, 1))  # 3 runs: no padding
+    assert store.plan_runs(torch.tensor([1, 100, 1, 170, 290, 490])) is None  # every cut above MAX_PADDING
+    assert store.plan_runs(torch.tensor([30, 31, 29, 30, 32, 30])) is None  # one padded view: no groups
+    assert store.plan_runs(torch.tensor([7, 7, 7, 7, 7, 7])) is None  # uniform
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.data())
 def test_padded_and_compact_layouts_hold_the_same_entries(data):
     """Property: whatever each segment keeps, then any mix of decoding appends, ragged prompt appends (some tokens
-    padding) and further compactions, a store laid out padded and one laid out compact hold the same entries —
+    padding) and further compactions, stores laid out padded, in strided runs and compact hold the same entries —
     lengths, keys, values, positions and side data per segment, and the same dense view on every valid slot."""
     stores = {}
-    for layout, on in (("padded", True), ("compact", False)):
+    for layout in ("padded", "strided", "compact"):
         store = make_store()
-        store.pads = lambda counts, on=on: on and counts.numel() > 1 and int(counts.min()) != int(counts.max())
+        store.pads = lambda counts, on=layout == "padded": (  # type: ignore[method-assign]
+            on and counts.numel() > 1 and int(counts.min()) != int(counts.max()))
+        store.plan_runs = lambda counts, on=layout == "strided": two_runs(counts) if on else None  # type: ignore
         stores[layout] = store
     keys, values = kv(12, seed=data.draw(st.integers(0, 99)))
     for store in stores.values():
@@ -503,6 +593,8 @@ def test_padded_and_compact_layouts_hold_the_same_entries(data):
                 store.keep(local, counts)
             uneven = int(counts.min()) != int(counts.max())
             assert stores["padded"].is_padded == uneven and not stores["compact"].is_padded
+            assert (stores["strided"].runs is not None or stores["strided"].is_padded) == uneven
+            assert stores["compact"].runs is None
         elif action == "step":
             new_keys, new_values = kv(1, seed=position)
             for store in stores.values():
@@ -517,6 +609,8 @@ def test_padded_and_compact_layouts_hold_the_same_entries(data):
                 store.append(new_keys, new_values, position, token_valid)
             position += q
         _same_entries_and_views(stores["padded"], stores["compact"])  # views read between actions too
+        _same_entries_and_views(stores["strided"], stores["compact"])
+        check_rows_map_to_their_segments(stores["strided"])
 
 
 def _same_entries_and_views(padded: LayerStore, compact: LayerStore) -> None:

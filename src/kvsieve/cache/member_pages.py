@@ -97,9 +97,8 @@ class MemberPages(StoreHook):
             flat_rows = segments * (store.keys.shape[0] // store.segments) + local
         else:
             flat_rows = rows
-            start = store.start.to(device)
-            segments = torch.searchsorted(start + store.capacity.to(device), rows, right=True)
-            local = rows - start[segments]
+            segments = store.segments_of(rows)
+            local = rows - store.start.to(device)[segments]
         local = store.dense_slots(local, segments)  # after the segment's quantized entries, if any
         if self.max_count + 1 > self.cap:
             self._grow(store, self.max_count + 1 + MEMBER_GROWTH)

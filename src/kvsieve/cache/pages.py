@@ -79,10 +79,8 @@ class PageMinMax(StoreHook):
             flat_rows = (store.start.to(device)[:, None] + local.view(store.segments, count)).reshape(-1)
         else:
             flat_rows = rows
-            start = store.start.to(device)
-            ends = start + store.capacity.to(device)
-            segments = torch.searchsorted(ends, rows, right=True)
-            local = rows - start[segments]
+            segments = store.segments_of(rows)
+            local = rows - store.start.to(device)[segments]
         local = store.dense_slots(local, segments)  # after the segment's quantized entries, if any
         page = local // self.page_size
         needed = int(page.max()) + 1 if page.numel() else 0

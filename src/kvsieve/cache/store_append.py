@@ -11,7 +11,7 @@ import torch
 
 from kvsieve.cache.side_data import SideSpec
 from kvsieve.cache.store_hook import StoreHook
-from kvsieve.cache.store_layout import StoreLayout
+from kvsieve.cache.store_layout import StoreLayout, ordered_starts
 
 #: Entries added per segment whenever an append does not fit (amortised O(1) appends at decoding).
 GROWTH = 64
@@ -81,6 +81,7 @@ class StoreAppend(StoreLayout):
         self._uniform = (length, capacity)
         self._capacity_cache = None
         self._gather_cache = None
+        self._segment_lookup = None
 
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
@@ -88,16 +89,17 @@ class StoreAppend(StoreLayout):
         if self._next_rows is None or self._next_cols is None:
             self._next_rows = (self._start + self._length).to(self.device)
             self._next_cols = self._length.to(self.device)
-        dst, col = self._next_rows, self._next_cols[:, None]
+        dst = self._next_rows
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
         self.positions.index_fill_(0, dst, position)
         for name, t in self.extras.items():
             t.index_fill_(0, dst, self.side_specs[name].fill)
-        if self._padded_valid is not None:  # a padded layout's validity: the written slot, in place
-            self._padded_valid.scatter_(1, col, True)
+        if self._row_valid is not None:  # a padded layout's or strided runs' validity: the written rows, in place
+            self._row_valid.index_fill_(0, dst, True)
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
+            col = self._next_cols[:, None]
             index, valid, width = cached
             if int(self._max_length) + 1 > width:
                 index = torch.cat([index, index[:, -1:]], dim=1)
@@ -154,7 +156,7 @@ class StoreAppend(StoreLayout):
         self.positions.index_copy_(0, dst, src_pos)
         for name, t in self.extras.items():
             t.index_fill_(0, dst, self.side_specs[name].fill)
-        self._set_ragged(self.start, length + counts, self.capacity)
+        self._set_ragged(self.start, length + counts, self.capacity, self._runs)
         self._appended = (rows, valid)
         for hook in self.hooks:
             hook.after_append(self, dst, q)
@@ -186,12 +188,19 @@ class StoreAppend(StoreLayout):
     def _relayout(self, capacity: torch.Tensor) -> None:
         """Move every segment into fresh buffers with the given per-segment capacity (a padded layout stays
         padded: every segment gets the largest, its free rows copies of its last entry, as a compaction leaves
-        them)."""
+        them; strided runs stay runs: each run's segments get the run's largest, in the same order)."""
         length, start = self.length, self.start
         padded = self._stride is not None and self.keys.shape[0] > 0
+        runs, order = self._runs, None
         if padded:
             capacity = torch.full_like(capacity, int(capacity.max()))
-        new_start = torch.cumsum(capacity, 0) - capacity
+        elif runs is not None:
+            capacity = capacity.clone()
+            for members in runs:
+                index = torch.tensor(members, dtype=torch.long)
+                capacity[index] = int(capacity[index].max())
+            order = torch.tensor([m for members in runs for m in members], dtype=torch.long)
+        new_start = ordered_starts(capacity, order)
         total = int(capacity.sum())
         if padded:
             offs = torch.arange(int(capacity[0]))
@@ -213,4 +222,4 @@ class StoreAppend(StoreLayout):
 
         self.keys, self.values, self.positions = move(self.keys), move(self.values), move(self.positions)
         self.extras = {name: move(t) for name, t in self.extras.items()}
-        self._set_ragged(new_start, length, capacity)
+        self._set_ragged(new_start, length, capacity, runs)

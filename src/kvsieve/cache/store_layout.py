@@ -16,6 +16,11 @@ order. Two layouts share these buffers:
   :meth:`~kvsieve.cache.store_compaction.StoreCompaction.keep`), has a zero-copy ``dense()`` instead: the
   buffers viewed ``(batch, heads, capacity, ...)`` up to the longest segment, with the validity mask; its free
   rows hold copies of held entries (finite, so a masked slot adds exact zeros to an attention output).
+  A ragged layout may also be cut into **strided runs** (a compaction chooses them when a decoding step would attend
+  by length group anyway, see :meth:`~kvsieve.cache.store_compaction.StoreCompaction.plan_runs`): each run's segments
+  have the same capacity and lie back to back, so a decoding step attends over each run as a zero-copy view of the
+  buffers with the run's validity, instead of gathering its entries. Segments then lie in run order, not in
+  segment order (:meth:`StoreLayout.segments_of` maps rows back).
 """
 
 from __future__ import annotations
@@ -65,9 +70,13 @@ class StoreLayout:
         self._min_slack = 0
         #: The common capacity of a padded ragged layout (equal capacities, back to back); None otherwise.
         self._stride: int | None = None
-        #: A padded layout's validity ``(segments, capacity)`` on the entries' device (decoding appends set one slot
-        #: per segment in place; its dense view narrows it to the longest segment).
-        self._padded_valid: torch.Tensor | None = None
+        #: Per buffer row, whether it holds an entry, on the entries' device (built for a padded layout's view and
+        #: strided runs; decoding appends set the rows they write in place): :meth:`row_valid`.
+        self._row_valid: torch.Tensor | None = None
+        #: A ragged layout's strided runs: the segments of each, in buffer order (None: segment order, no runs).
+        self._runs: tuple[tuple[int, ...], ...] | None = None
+        #: Segment ends in buffer order and the order (None when it is segment order), on the entries' device.
+        self._segment_lookup: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._next_rows: torch.Tensor | None = None
@@ -134,19 +143,25 @@ class StoreLayout:
         self._appended = None
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
-        self._padded_valid = None
+        self._row_valid = None
+        self._segment_lookup = None
 
     def _set_uniform(self, length: int, capacity: int) -> None:
         """Adopt a uniform layout of ``length`` entries in ``capacity`` rows per segment, back to back."""
         self._forget_layout()
         self._uniform = (length, capacity)
         self._stride = None
+        self._runs = None
 
-    def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor) -> None:
-        """Adopt a per-segment layout; falls back to the uniform description whenever it is one."""
+    def _set_ragged(self, start: torch.Tensor, length: torch.Tensor, capacity: torch.Tensor,
+                    runs: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """Adopt a per-segment layout; falls back to the uniform description whenever it is one. ``runs``: the
+        segments of each strided run (module docstring), kept only if each run's segments do lie back to back with
+        one capacity."""
         self._forget_layout()
         segs = self.segments
         self._stride = None
+        self._runs = None
         if segs == 0:
             self._uniform = (0, 0)
             return
@@ -160,6 +175,51 @@ class StoreLayout:
         self._start, self._length, self._capacity = start.clone(), length.clone(), capacity.clone()
         self._max_length = int(length.max())
         self._min_slack = int((capacity - length).min())
+        if runs is not None and self._stride is None and _strided_runs(self._start, self._capacity, runs, segs):
+            self._runs = runs
+            self._groups = (self._run_groups(runs), self._max_length)
+
+    def _run_groups(self, runs: tuple[tuple[int, ...], ...]) -> list[LengthGroup]:
+        """The strided runs as the length groups a decoding step attends (each a zero-copy view)."""
+        groups = []
+        for members in runs:
+            index = torch.tensor(members, dtype=torch.long)
+            lengths = self._length[index]
+            groups.append(LengthGroup(index, index.to(self.device), int(lengths.max()),
+                                      int(lengths.min()) == int(lengths.max()), members,
+                                      int(self._start[members[0]]), int(self._capacity[members[0]])))
+        return groups
+
+    @property
+    def runs(self) -> tuple[tuple[int, ...], ...] | None:
+        """The strided runs' segments in buffer order (module docstring), or None."""
+        return self._runs
+
+    def row_valid(self) -> torch.Tensor:
+        """Whether each buffer row holds an entry, ``(rows,)`` bool on the entries' device; built once per layout
+        (from the host bookkeeping, one copy to the device) and kept true by decoding appends."""
+        if self._row_valid is None:
+            rows = self.keys.shape[0]
+            length, start = self.length, self.start
+            offs = torch.arange(int(length.max()) if length.numel() else 0)
+            held = (start[:, None] + offs[None, :])[offs[None, :] < length[:, None]]
+            valid = torch.zeros(rows, dtype=torch.bool)
+            valid[held] = True
+            self._row_valid = valid.to(self.device)
+        return self._row_valid
+
+    def segments_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The segment of each flat buffer row in ``rows`` (a device tensor), whatever order the segments lie in."""
+        if self._segment_lookup is None:
+            start, capacity = self.start, self.capacity
+            # buffer order; a segment with no rows sorts before the one starting where it does (ends stay sorted)
+            order = torch.argsort(start * 2 + (capacity > 0).long(), stable=True)
+            ends = (start + capacity)[order]
+            in_order = bool((order == torch.arange(order.numel())).all())
+            self._segment_lookup = (ends.to(self.device), None if in_order else order.to(self.device))
+        ends, order = self._segment_lookup
+        found = torch.searchsorted(ends, rows, right=True)
+        return found if order is None else order[found]
 
     def lengths(self) -> torch.Tensor:
         """Entries held per (batch item, KV head), shape ``(batch, heads)`` (host tensor)."""
@@ -267,9 +327,7 @@ class StoreLayout:
                             tuple(self.extras))
         elif self._stride is not None:
             stride, max_len = self._stride, self._max_length
-            if self._padded_valid is None:
-                self._padded_valid = (torch.arange(stride)[None, :] < self._length[:, None]).to(self.device)
-            valid = self._padded_valid.narrow(1, 0, max_len)
+            valid = self.row_valid().view(self.segments, stride).narrow(1, 0, max_len)
 
             def narrow(t: torch.Tensor) -> torch.Tensor:
                 return t.view(b, h, stride, *t.shape[1:]).narrow(2, 0, max_len)
@@ -316,8 +374,32 @@ class StoreLayout:
         self._dense_cache = None
 
 
+def _strided_runs(start: torch.Tensor, capacity: torch.Tensor, runs: tuple[tuple[int, ...], ...], segs: int) -> bool:
+    """Whether ``runs`` cover every segment once and each run's segments lie back to back with one capacity."""
+    if sorted(m for members in runs for m in members) != list(range(segs)):
+        return False
+    for members in runs:
+        index = torch.tensor(members, dtype=torch.long)
+        stride = int(capacity[members[0]])
+        expected = int(start[members[0]]) + stride * torch.arange(len(members))
+        if not (bool((capacity[index] == stride).all()) and torch.equal(start[index], expected)):
+            return False
+    return True
+
+
 def _row_nbytes(t: torch.Tensor) -> int:
     per = t.element_size()
     for size in t.shape[1:]:
         per *= size
     return per
+
+
+def ordered_starts(capacity: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Each segment's first row when segments of ``capacity`` rows lie back to back in ``order`` (None: segment
+    order)."""
+    if order is None:
+        return torch.cumsum(capacity, 0) - capacity
+    in_order = capacity[order]
+    start = torch.empty_like(capacity)
+    start[order] = torch.cumsum(in_order, 0) - in_order
+    return start

@@ -33,12 +33,10 @@ class ValueSum(StoreHook):
         self.sums = values.sum(dim=2).reshape(store.segments, store.head_dim)
 
     def after_append(self, store: LayerStore, rows: torch.Tensor | None, count: int) -> None:
-        device = store.values.device
         if rows is None:  # uniform: ``count`` new entries at the end of every segment
             length, cap = store.max_length, store.keys.shape[0] // store.segments
             values = store.values.view(store.segments, cap, store.head_dim)[:, length - count : length]
             self.sums = self.sums + values.float().sum(dim=1)
             return
-        ends = (store.start + store.capacity).to(device)
-        segments = torch.searchsorted(ends, rows, right=True)
+        segments = store.segments_of(rows)
         self.sums = self.sums.index_add(0, segments, store.values.index_select(0, rows).float())

@@ -9,7 +9,9 @@ query head over its KV head's held entries, as the padded view gives it, compute
 group of one segment, or (on a CPU) of segments all holding at least ``IN_PLACE_LENGTH`` entries, is
 attended segment by segment where its entries lie (no gather: copying a long head costs more than a call);
 on a CPU with several threads a head of at least ``SPLIT_DECODING_LENGTH`` entries is cut across them
-(:func:`~kvsieve.attention.kernel.split_decoding_attention`: one call runs on one thread).
+(:func:`~kvsieve.attention.kernel.split_decoding_attention`: one call runs on one thread). A layout cut into
+strided runs (``StoreCompaction.plan_runs``) has each group's segments back to back with one capacity: the group is
+attended as a view of the buffers with its rows' validity, no gather.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     for group, width in groups:
         members = group.device_segments
         count = len(group.members)
+        if group.base is not None and count > 1:  # a strided run: its segments back to back, viewed in place
+            rows = count * group.stride
+            keys = store.keys.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
+            values = store.values.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
+            mask = None if group.equal else (
+                store.row_valid().narrow(0, group.base, rows).view(count, 1, 1, group.stride).narrow(3, 0, width))
+            group_query = queries.index_select(0, members).view(count, 1, per_head, dim)
+            out = torch.nn.functional.scaled_dot_product_attention(group_query, keys, values, attn_mask=mask,
+                                                                   scale=scaling)
+            output.index_copy_(0, members, out.view(count, per_head, dim))
+            continue
         shortest = min(lengths[segment] for segment in group.members)
         if count == 1 or (shortest >= length_groups.IN_PLACE_LENGTH and query.device.type == "cpu"):
             # long heads: each segment's entries are contiguous rows of the buffers, attended where they are
