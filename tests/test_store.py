@@ -490,7 +490,9 @@ def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
     assert store.view_nbytes() == 0
     assert not store.pads(torch.tensor([1, 1, 1, 1, 1, 400]))  # a long head among short ones: length groups
     assert not store.pads(torch.tensor([5, 5, 5, 5, 5, 5]))  # equal: uniform
-    assert not store.pads(torch.tensor([10, 10, 10, 10, 10, 20]))  # padding above MAX_PADDING of what is held
+    assert not store.pads(torch.tensor([100, 100, 100, 100, 100, 200]))  # padding above MAX_PADDING of the held
+    assert store.pads(torch.tensor([10, 10, 10, 10, 10, 20]))  # ... but only SMALL_PADDING_ROWS per segment
+    assert not store.pads(torch.tensor([10, 10, 10, 10, 10, 30]))  # above both
     assert store.pads(torch.tensor([10, 10, 10, 10, 10, 12]))
 
 
@@ -548,6 +550,7 @@ def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
     assert store.plan_runs(torch.tensor([5, 300, 6, 290, 4, 310])) is not None
     empty = make_store()  # segments holding nothing (no rows) among others: rows still map to their segments
     empty.plan_runs = lambda counts: ((3,), (0, 1), (2, 4, 5))  # type: ignore[method-assign]
+    empty.pads = lambda counts: False  # type: ignore[method-assign]
     empty.append(keys[:, :, :4], values[:, :, :4], 0, None)
     empty.keep(torch.tensor([[0, 1, 2, 3]] * (B * H)), torch.tensor([2, 1, 3, 0, 3, 4]))
     assert empty.runs == ((3,), (0, 1), (2, 4, 5)) and int(empty.start[3]) == int(empty.start[0]) == 0

@@ -15,8 +15,19 @@ from kvsieve.cache.length_groups import call_cost, partitions, plan_groups, run_
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts
 
-#: The most padding a padded layout may hold, as a share of the held entries (:meth:`StoreCompaction.pads`).
+#: The most padding a padded layout or strided runs may hold, as a share of the held entries
+#: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
 MAX_PADDING = 0.25
+#: ... or this many rows per segment, whichever is more: a layer whose heads hold a handful of entries each (KVzip's
+#: and DBTrimKV's global budgets leave many such layers, e.g. 7, 4 and 4 entries) pads a few rows instead of
+#: gathering them at every step, a few rows against the hundreds a cache holds per head.
+SMALL_PADDING_ROWS = 16
+
+
+def padding_limit(counts: torch.Tensor) -> float:
+    """The most slots (held entries and padding) a layout of segments holding ``counts`` may allocate."""
+    held = int(counts.sum())
+    return held + max(MAX_PADDING * held, SMALL_PADDING_ROWS * counts.numel())
 
 
 class StoreCompaction(StoreLayout):
@@ -90,7 +101,8 @@ class StoreCompaction(StoreLayout):
         into a padded copy (``segments × longest`` slots) at every layer and step.
 
         Chosen when a decoding step would attend over one padded view anyway (:func:`plan_groups` finds no length
-        groups worth their calls) and the padding is at most :data:`MAX_PADDING` of the held entries: the buffers
+        groups worth their calls) and the padding is at most :data:`MAX_PADDING` of the held entries (or
+        :data:`SMALL_PADDING_ROWS` per segment, :func:`padding_limit`): the buffers
         then hold up to that many more rows between steps (allocated, not held: ``KVCache.storage()`` reports
         both). Measured on the default model (4k prompt, AdaKV at 256, float32): with no cap on the padding a
         decoding step went from 1.21–1.28 to 1.15× a ``DynamicCache``'s at batch 8 (level at batch 1) for 14% more
@@ -99,7 +111,7 @@ class StoreCompaction(StoreLayout):
         stay compact (length groups)."""
         if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
             return False
-        if counts.numel() * int(counts.max()) > (1 + MAX_PADDING) * int(counts.sum()):
+        if counts.numel() * int(counts.max()) > padding_limit(counts):
             return False
         return plan_groups(counts, call_cost(self.device)) is None
 
@@ -107,7 +119,7 @@ class StoreCompaction(StoreLayout):
         """The strided runs a compaction keeping ``counts`` (host, per segment) lays the segments out in, or None
         (compact or padded): when a decoding step would attend by length group (:func:`plan_groups`) and padding
         the segments of 2 to :data:`~kvsieve.cache.length_groups.MAX_GROUPS` runs of similar lengths to each run's
-        longest costs at most :data:`MAX_PADDING` of the held entries, each run gets equal capacities back to back,
+        longest costs at most :func:`padding_limit`, each run gets equal capacities back to back,
         which a decoding step attends as a zero-copy view of the buffers instead of gathering its entries at every
         layer and step (DBTrimKV's global budget at batch 8 made ~12 gathers per layer and step; KVzip's;
         DuoAttention's heads). Among the cuts under the cap: the fewest padded slots plus
@@ -119,7 +131,7 @@ class StoreCompaction(StoreLayout):
         if plan_groups(counts, call_cost(self.device)) is None:
             return None
         # as few runs as the padding cap allows, each one more worth RUN_CALL_COST slots (no gather in a run)
-        limit, cost = (1 + MAX_PADDING) * int(counts.sum()), run_call_cost(self.device)
+        limit, cost = padding_limit(counts), run_call_cost(self.device)
         cuts = {g: cut for g, cut in partitions(counts).items() if g >= 2 and cut[0] <= limit}
         if not cuts:
             return None
