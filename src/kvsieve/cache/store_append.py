@@ -86,9 +86,8 @@ class StoreAppend(StoreLayout):
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
         segs = self.segments
-        if self._next_rows is None or self._next_cols is None:
+        if self._next_rows is None:
             self._next_rows = (self._start + self._length).to(self.device)
-            self._next_cols = self._length.to(self.device)
         dst = self._next_rows
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
@@ -99,6 +98,8 @@ class StoreAppend(StoreLayout):
             self._row_valid.index_fill_(0, dst, True)
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
+            if self._next_cols is None:  # each segment's next slot, kept on the device while the index is
+                self._next_cols = self._length.to(self.device)
             col = self._next_cols[:, None]
             index, valid, width = cached
             if int(self._max_length) + 1 > width:
@@ -107,8 +108,11 @@ class StoreAppend(StoreLayout):
             index = index.scatter(1, col, dst[:, None])
             valid = valid.scatter(1, col, True)
             self._gather_cache = (index, valid, int(self._max_length) + 1)
-        self._next_rows, self._next_cols = dst + 1, self._next_cols + 1
-        self._appended = (dst[:, None], None)
+            self._next_cols = self._next_cols + 1
+        else:
+            self._next_cols = None
+        self._next_rows = dst + 1
+        self._appended = (dst, None)  # one row per segment
         self._length += 1
         self._max_length += 1
         self._min_slack -= 1

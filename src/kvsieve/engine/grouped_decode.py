@@ -32,11 +32,18 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     queries = query.reshape(store.segments, per_head, dim)
     output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     scaling = step.form.scaling if step.form is not None else step.scaling
-    lengths, starts = store.length.tolist(), store.start.tolist()  # host bookkeeping, read once
+    lengths: list[int] = []
+    starts: list[int] = []
     for group, width in groups:
         members = group.device_segments
         count = len(group.members)
-        if group.base is not None and count > 1:  # a strided run: its segments back to back, viewed in place
+        if group.base is not None and count == 1:  # a strided run of one segment: its rows, where they are
+            segment = group.members[0]
+            keys = store.keys.narrow(0, group.base, width)  # the run's one segment holds its longest's entries
+            values = store.values.narrow(0, group.base, width)
+            output[segment] = _one_head(queries[segment], keys, values, scaling)
+            continue
+        if group.base is not None:  # a strided run: its segments back to back, viewed in place
             rows = count * group.stride
             keys = store.keys.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
             values = store.values.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
@@ -47,20 +54,15 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
                                                                    scale=scaling)
             output.index_copy_(0, members, out.view(count, per_head, dim))
             continue
+        if not lengths:
+            lengths, starts = store.length.tolist(), store.start.tolist()  # host bookkeeping, read once
         shortest = min(lengths[segment] for segment in group.members)
         if count == 1 or (shortest >= length_groups.IN_PLACE_LENGTH and query.device.type == "cpu"):
             # long heads: each segment's entries are contiguous rows of the buffers, attended where they are
             for segment in group.members:
                 start, held = starts[segment], lengths[segment]
                 keys, values = store.keys[start : start + held], store.values[start : start + held]
-                split = split_decoding_attention(queries[segment], keys, values, scaling)
-                if split is not None:  # a long head on the CPU: its entries cut across the threads
-                    output[segment] = split
-                    continue
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    queries[segment].view(1, 1, per_head, dim), keys.view(1, 1, held, dim),
-                    values.view(1, 1, held, dim), scale=scaling)
-                output[segment] = out.view(per_head, dim)
+                output[segment] = _one_head(queries[segment], keys, values, scaling)
             continue
         index, valid, _ = store.gather_index()  # cached; only a gathered group reads it
         rows = index.index_select(0, members)[:, :width].reshape(-1)
@@ -72,3 +74,16 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
                                                                scale=scaling)
         output.index_copy_(0, members, out.view(count, per_head, dim))
     return output.view(batch, 1, q_heads, dim)
+
+
+def _one_head(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One KV head's query rows ``(rows, d)`` over its entries ``(n, d)`` (contiguous rows, read in place); a long
+    head on a CPU is cut across the threads (:func:`~kvsieve.attention.kernel.split_decoding_attention`)."""
+    split = split_decoding_attention(query, keys, values, scaling)
+    if split is not None:
+        return split
+    rows, dim = query.shape
+    held = keys.shape[0]
+    out = torch.nn.functional.scaled_dot_product_attention(query.view(1, 1, rows, dim), keys.view(1, 1, held, dim),
+                                                           values.view(1, 1, held, dim), scale=scaling)
+    return out.view(rows, dim)
