@@ -35,6 +35,9 @@ def call_cost(device: torch.device) -> int:
     return CALL_COST if device.type == "cpu" else ACCELERATOR_CALL_COST
 
 
+#: Group only when the grouped plan saves at least this fraction of the padded view's slots.
+MIN_SAVING = 0.25
+
 #: What one more strided run costs a decoding step, in slots, on a CPU: a run is attended in place (no gather), so
 #: a slot costs only its attention and a call weighs more than in :data:`CALL_COST`'s gathered groups. Measured
 #: (default model's shapes, batch 8, 3 KV heads of 64, 2 threads): one more call ≈ 2,900 slots' attention in
@@ -45,8 +48,6 @@ RUN_CALL_COST = 1024
 def run_call_cost(device: torch.device) -> int:
     """Slots one more strided run is worth on ``device`` (elsewhere than a CPU: :data:`ACCELERATOR_CALL_COST`)."""
     return RUN_CALL_COST if device.type == "cpu" else ACCELERATOR_CALL_COST
-#: Group only when the grouped plan saves at least this fraction of the padded view's slots.
-MIN_SAVING = 0.25
 
 
 @dataclass(frozen=True)

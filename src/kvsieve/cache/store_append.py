@@ -11,7 +11,7 @@ import torch
 
 from kvsieve.cache.side_data import SideSpec
 from kvsieve.cache.store_hook import StoreHook
-from kvsieve.cache.store_layout import StoreLayout, ordered_starts
+from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
 
 #: Entries added per segment whenever an append does not fit (amortised O(1) appends at decoding).
 GROWTH = 64
@@ -198,12 +198,8 @@ class StoreAppend(StoreLayout):
         runs, order = self._runs, None
         if padded:
             capacity = torch.full_like(capacity, int(capacity.max()))
-        elif runs is not None:
-            capacity = capacity.clone()
-            for members in runs:
-                index = torch.tensor(members, dtype=torch.long)
-                capacity[index] = int(capacity[index].max())
-            order = torch.tensor([m for members in runs for m in members], dtype=torch.long)
+        else:
+            capacity, order = run_capacities(capacity, runs)
         new_start = ordered_starts(capacity, order)
         total = int(capacity.sum())
         if padded:

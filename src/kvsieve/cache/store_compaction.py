@@ -13,7 +13,7 @@ import torch
 
 from kvsieve.cache.length_groups import call_cost, partitions, plan_groups, run_call_cost
 from kvsieve.cache.store_hook import StoreHook
-from kvsieve.cache.store_layout import StoreLayout, ordered_starts
+from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
 
 #: The most padding a padded layout or strided runs may hold, as a share of the held entries
 #: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
@@ -68,11 +68,9 @@ class StoreCompaction(StoreLayout):
         runs = None
         if self.pads(counts):  # equal capacities: a zero-copy padded view (module docstring of store_layout)
             capacity = torch.full_like(counts, int(counts.max()) + self._reserve)
-        elif total and (runs := self.plan_runs(counts)) is not None:  # each run's segments back to back, one capacity
-            for members in runs:
-                index = torch.tensor(members, dtype=torch.long)
-                capacity[index] = int(counts[index].max()) + self._reserve
-        order = None if runs is None else torch.tensor([m for members in runs for m in members], dtype=torch.long)
+        elif total:
+            runs = self.plan_runs(counts)  # each run's segments back to back with the run's capacity
+        capacity, order = run_capacities(capacity, runs)
         new_start = ordered_starts(capacity, order)
         rows = src
         if total and (order is not None or bool((capacity > counts).any())):
@@ -225,4 +223,3 @@ class StoreCompaction(StoreLayout):
         for name, t in (extras or {}).items():
             self.extras[name].index_copy_(0, rows, t.to(self.extras[name].dtype))
         self._layout_changed()
-

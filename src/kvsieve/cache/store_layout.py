@@ -394,6 +394,19 @@ def _row_nbytes(t: torch.Tensor) -> int:
     return per
 
 
+def run_capacities(capacity: torch.Tensor, runs: tuple[tuple[int, ...], ...] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-segment ``capacity`` raised to each strided run's largest, and the segments in buffer order (None: no
+    runs, segment order)."""
+    if runs is None:
+        return capacity, None
+    capacity = capacity.clone()
+    for members in runs:
+        index = torch.tensor(members, dtype=torch.long)
+        capacity[index] = int(capacity[index].max())
+    return capacity, torch.tensor([m for members in runs for m in members], dtype=torch.long)
+
+
 def ordered_starts(capacity: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """Each segment's first row when segments of ``capacity`` rows lie back to back in ``order`` (None: segment
     order)."""
