@@ -408,6 +408,36 @@ def test_policy_properties(preset, data, arch, request):
                 assert outcome != "differs", f"row {b} (length {len(row)}, pad {run.pads[b]}), {inspect=}: {why}"
 
 
+#: Presets that leave a layer's heads at different lengths (head budgets, a global budget, a head split).
+RAGGED_PRESETS = [p for p in ("adakv", "ada_restkv", "dbtrimkv", "kvzip", "duo_attention", "cake") if p in PRESETS]
+
+
+@pytest.mark.parametrize("preset", RAGGED_PRESETS)
+@settings(SETTINGS, max_examples=max(MAX_EXAMPLES // 3, 1))
+@given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
+def test_policy_properties_in_strided_runs(preset, data, arch, request):
+    """The invariants above (positions, events, budgets, finite logits, determinism) with uneven heads laid out in
+    strided runs wherever a cut exists: one more attention call priced at one slot and no padding cap, so the tiny
+    models' short heads take the layout long heads get."""
+    from unittest.mock import patch
+
+    from kvsieve.cache import length_groups, store_compaction
+
+    with patch.object(length_groups, "CALL_COST", 1), patch.object(length_groups, "RUN_CALL_COST", 1), \
+            patch.object(store_compaction, "MAX_PADDING", 100.0):
+        name, params, policy = data.draw(policies(preset), label="policy")
+        rows, program = request
+        model = get_model(arch, "kv")
+        batched = run_rows(model, rows, name, params, program, after_forward=budget_checker(policy, rows, program))
+        check_positions(batched, rows)
+        check_events(batched, policy)
+        for logits in batched.logits:
+            assert bool(torch.isfinite(logits).all())
+        again = run_rows(model, rows, name, params, program)
+        assert again.kept == batched.kept
+        assert all(torch.equal(x, y) for x, y in zip(again.logits, batched.logits, strict=True))
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 @settings(SETTINGS, max_examples=max(MAX_EXAMPLES // 3, 1))
 @given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
