@@ -561,6 +561,33 @@ def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
     assert store.plan_runs(torch.tensor([7, 7, 7, 7, 7, 7])) is None  # uniform
 
 
+def test_strided_runs_survive_batch_selection_and_a_saved_copy():
+    """A store in strided runs, reordered by batch row (beam search) or saved and restored (a saved context),
+    holds the same entries as a compact twin after the same operation; both then lay out compact."""
+    stores = {}
+    for strided in (True, False):
+        store = make_store()
+        if not strided:
+            store.plan_runs = lambda counts: None  # type: ignore[method-assign]
+        keys, values = kv(320, seed=64)
+        store.append(keys, values, 0, None)
+        store.ensure_extra("acc")
+        store.add_dense("acc", torch.rand(B, H, 320, generator=torch.Generator().manual_seed(5)))
+        local = torch.arange(320).expand(B * H, 320)
+        store.keep(local, torch.tensor([5, 300, 6, 290, 4, 310]))
+        stores[strided] = store
+    assert stores[True].runs is not None and stores[False].runs is None
+    saved = {strided: store.entries() for strided, store in stores.items()}
+    for store in stores.values():
+        store.select_batch(torch.tensor([1, 0]))
+    _same_entries_and_views(stores[True], stores[False])
+    assert stores[True].runs is None
+    for strided, store in stores.items():
+        store.restore(saved[strided])
+    _same_entries_and_views(stores[True], stores[False])
+    check_rows_map_to_their_segments(stores[True])
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.data())
 def test_padded_and_compact_layouts_hold_the_same_entries(data):
