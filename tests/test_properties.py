@@ -369,6 +369,21 @@ def plain_logits(model: torch.nn.Module, rows: list[torch.Tensor], static: bool)
 PRESETS = sorted(kvsieve.list_policies())
 
 
+def checked_and_deterministic_run(model: torch.nn.Module, rows: list[torch.Tensor], name: str, params: dict[str, Any],
+                                  policy: kvsieve.Policy, program: Program) -> RunResult:
+    """One run with the budgets checked after every forward, positions, events and finite logits checked, and a
+    fresh cache on the same inputs giving the same kept entries and logits (determinism); returns the run."""
+    batched = run_rows(model, rows, name, params, program, after_forward=budget_checker(policy, rows, program))
+    check_positions(batched, rows)
+    check_events(batched, policy)
+    for logits in batched.logits:
+        assert bool(torch.isfinite(logits).all())
+    again = run_rows(model, rows, name, params, program)
+    assert again.kept == batched.kept
+    assert all(torch.equal(x, y) for x, y in zip(again.logits, batched.logits, strict=True))
+    return batched
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 @SETTINGS
 @given(data=st.data(), arch=st.sampled_from(ARCHS), request=requests())
@@ -378,17 +393,7 @@ def test_policy_properties(preset, data, arch, request):
     event(f"schedule {policy.schedule.name}"), event(f"batch {len(rows)}")
     event(f"{'ratio' if policy.ratio is not None else 'budget'}, allocator {policy.allocator.name}")
     model = get_model(arch, "kv")
-    batched = run_rows(model, rows, name, params, program, after_forward=budget_checker(policy, rows, program))
-
-    check_positions(batched, rows)
-    check_events(batched, policy)
-    for logits in batched.logits:
-        assert bool(torch.isfinite(logits).all())
-
-    # determinism: a fresh cache on the same inputs
-    again = run_rows(model, rows, name, params, program)
-    assert again.kept == batched.kept
-    assert all(torch.equal(x, y) for x, y in zip(again.logits, batched.logits, strict=True))
+    batched = checked_and_deterministic_run(model, rows, name, params, policy, program)
 
     # without inspection between forwards (a second turn right after the prompt then continues it)
     free = run_rows(model, rows, name, params, program, inspect=False)
@@ -429,15 +434,7 @@ def test_policy_properties_in_strided_runs(preset, data, arch, request):
             patch.object(store_compaction, "MAX_PADDING", 100.0):
         name, params, policy = data.draw(policies(preset), label="policy")
         rows, program = request
-        model = get_model(arch, "kv")
-        batched = run_rows(model, rows, name, params, program, after_forward=budget_checker(policy, rows, program))
-        check_positions(batched, rows)
-        check_events(batched, policy)
-        for logits in batched.logits:
-            assert bool(torch.isfinite(logits).all())
-        again = run_rows(model, rows, name, params, program)
-        assert again.kept == batched.kept
-        assert all(torch.equal(x, y) for x, y in zip(again.logits, batched.logits, strict=True))
+        checked_and_deterministic_run(get_model(arch, "kv"), rows, name, params, policy, program)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
