@@ -103,6 +103,7 @@ def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[i
 
 @pytest.mark.parametrize(("batch", "kv_heads", "groups", "lengths"), [
     (1, 3, 3, [300, 5, 6]),
+    (1, 3, 3, [5, 6, 300]),  # strided: runs in segment order (no reordering)
     (2, 2, 2, [5, 400, 400, 7]),
     (2, 3, 1, [50, 1, 900, 900, 3, 60]),
 ])
@@ -120,6 +121,32 @@ def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, 
     padded = all_entries_output(step, step.module, None, None, step.view)  # the padded view, explicitly
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
     assert torch.equal(all_entries_output(step, step.module, None, None), grouped)  # the engine's choice
+
+
+def test_strided_runs_views_follow_the_buffers_when_they_grow():
+    """The runs' views are built once per layout and buffers (``StoreLayout.run_views``): decoding until the slack
+    runs out moves every segment into larger buffers, and the step then reads the new buffers (the padded view's
+    attention at every step; the views alias the store's buffers)."""
+    from kvsieve.cache.store_append import GROWTH
+
+    step = ragged_decoding_step(1, 3, 3, [300, 5, 6], strided=True)
+    store = step.store
+    generator = torch.Generator().manual_seed(1)
+    grown = False
+    for position in range(302, 302 + GROWTH + 2):
+        planned = store.length_groups()
+        assert planned is not None and store.runs is not None
+        before = store.keys
+        torch.testing.assert_close(grouped_decode_output(step, planned),
+                                   all_entries_output(step, step.module, None, None, store.dense()),
+                                   atol=1e-6, rtol=1e-5)
+        views = store.run_views()
+        assert all(view.untyped_storage().data_ptr() == store.keys.untyped_storage().data_ptr()
+                   for view in views.keys)
+        store.append(torch.randn(1, 3, 1, 8, generator=generator), torch.randn(1, 3, 1, 8, generator=generator),
+                     position, None)
+        grown = grown or store.keys is not before
+    assert grown
 
 
 def greedy_step_logits(model: torch.nn.Module, cache: kvsieve.KVCache, ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -184,6 +211,7 @@ def test_a_long_head_split_across_threads_is_the_one_call_attention(dtype, n, th
     by their log-sum-exps, give one call's attention (float32: 1e-6; bfloat16: the error of one call's own
     output against float64); below the length, or with one thread, it declines (None)."""
     monkeypatch.setattr(kernel.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(kernel, "SPLIT_DECODING_LENGTH", 2048)  # the sizes below are cut as a longer head would be
     generator = torch.Generator().manual_seed(n)
     query = torch.randn(3, 64, generator=generator).to(dtype)
     keys = (torch.randn(n, 64, generator=generator) * 2).to(dtype)
@@ -205,16 +233,21 @@ def test_a_long_head_split_across_threads_is_the_one_call_attention(dtype, n, th
         assert (split.double() - exact).abs().max() <= 2 * (one_call(query, keys, values).double() - exact).abs().max()
 
 
-def test_long_heads_are_split_across_threads_in_the_grouped_step(monkeypatch):
+@pytest.mark.parametrize(("strided", "lengths"), [(False, [5, 690, 701, 7]), (True, [5, 7, 690, 701])])
+def test_long_heads_are_split_across_threads_in_the_grouped_step(monkeypatch, strided, lengths):
     """With the split lengths lowered, the two long heads of the ragged step are attended by the split kernel
-    (only the short group calls SDPA) and the step's output is the padded view's."""
+    (only the short group calls SDPA) and the step's output is the padded view's: compact (each long head in place)
+    or in strided runs (batch 2 × 2 KV heads: each batch row's long head a run of its own)."""
     monkeypatch.setattr(kernel.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(kernel, "SPLIT_DECODING_LENGTH", 600)
     monkeypatch.setattr(kernel, "SPLIT_PART_LENGTH", 300)
     monkeypatch.setattr(length_groups, "IN_PLACE_LENGTH", 600)
-    step = ragged_decoding_step(2, 2, 2, [5, 690, 701, 7])
+    monkeypatch.setattr(length_groups, "RUN_CALL_COST", 1)
+    step = ragged_decoding_step(2, 2, 2, lengths, strided=strided)
     planned = step.store.length_groups()
-    assert planned is not None
+    assert planned is not None and (step.store.runs is not None) == strided
+    if strided:
+        assert sorted(len(group.members) for group, _ in planned) == [1, 1, 2]
     padded = all_entries_output(step, step.module, None, None, step.view)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls: list[int] = []

@@ -109,8 +109,11 @@ def explicit_attention(
 
 
 #: On the CPU a decoding call over one KV head holding at least this many entries is split across threads
-#: (:func:`split_decoding_attention`); measured on 2 cores: 1.35× faster at 4k entries, 1.8× at 8k, level at 1k.
-SPLIT_DECODING_LENGTH = 2048
+#: (:func:`split_decoding_attention`). Measured on 2 cores (bf16, 3 query rows of 64) with a decoding step's matrix
+#: products run between calls, as in a model (one call vs split, µs): 270 vs 315 at 8k entries, 414 vs 351 at 12k,
+#: 741 vs 580 at 24k; back-to-back calls alone (warm threads and caches) had put the break-even near 1k and made
+#: the split 1.35× faster at 4k, which a model's step does not see (KVzip's 3,516-entry head: 0.52 → 0.34 ms).
+SPLIT_DECODING_LENGTH = 10240
 #: Entries each part of a split call holds at least.
 SPLIT_PART_LENGTH = 1024
 

@@ -67,6 +67,28 @@ class LengthGroup:
     stride: int = 0
 
 
+@dataclass(frozen=True)
+class RunViews:
+    """A layout's strided runs as a decoding step reads them, built once per layout and buffers
+    (:meth:`~kvsieve.cache.store_layout.StoreLayout.run_views`): every segment's rows in run order and back.
+
+    Attributes:
+        order: the segments in run order (a device index; None when run order is segment order).
+        inverse: where each segment lies in run order (None likewise).
+        sizes: segments per run, in run order (``torch.split`` sizes).
+        keys, values: per run, the buffers viewed ``(members, 1, stride, d)`` (zero-copy).
+        valid: per run, the rows' validity viewed ``(members, 1, 1, stride)``; None where every member holds as many
+            entries (no mask).
+    """
+
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
+    sizes: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor | None, ...]
+
+
 Run = tuple[torch.Tensor, int, bool]
 
 

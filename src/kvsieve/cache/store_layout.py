@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from kvsieve.cache.dense_view import DenseView
-from kvsieve.cache.length_groups import LengthGroup, call_cost, plan_groups
+from kvsieve.cache.length_groups import LengthGroup, RunViews, call_cost, plan_groups
 
 #: Keys, values and positions of a uniform layout viewed ``(batch, heads, capacity, ...)``.
 CapacityViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -89,6 +89,8 @@ class StoreLayout:
         self._groups: tuple[list[LengthGroup] | None, int] | None = None
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
+        #: The strided runs' views (:meth:`run_views`) with the buffers and validity they view.
+        self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
 
     def _layout_changed(self) -> None:
         """Tell every hook that entries were removed, moved or reordered (not while deferred)."""
@@ -143,6 +145,7 @@ class StoreLayout:
         self._appended = None
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
+        self._run_views = None  # likewise
         self._row_valid = None
         self._segment_lookup = None
 
@@ -189,6 +192,35 @@ class StoreLayout:
                                       int(lengths.min()) == int(lengths.max()), members,
                                       int(self._start[members[0]]), int(self._capacity[members[0]])))
         return groups
+
+    def run_views(self) -> RunViews:
+        """The strided runs' zero-copy views and the segment order a decoding step reads them in (a layout cut into
+        runs only). Built once per layout and buffers: a step then narrows each view to its run's width instead of
+        viewing the buffers anew, and reorders the queries and outputs with one index each (none when the runs lie
+        in segment order) instead of one per run."""
+        assert self._runs is not None and self._groups is not None and self._groups[0] is not None
+        valid_rows = self.row_valid()
+        cached = self._run_views
+        if cached is not None and cached[0] is self.keys and cached[1] is self.values and cached[2] is valid_rows:
+            return cached[3]
+        groups, dim = self._groups[0], self.head_dim
+        members = [segment for group in groups for segment in group.members]
+        assert sorted(members) == list(range(self.segments)), "strided runs must hold every segment once"
+        in_order = members == list(range(self.segments))
+        order = torch.tensor(members, dtype=torch.long)
+        keys, values, valid = [], [], []
+        for group in groups:
+            count, stride = len(group.members), group.stride
+            rows = count * stride
+            keys.append(self.keys.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
+            values.append(self.values.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
+            valid.append(None if group.equal else valid_rows.narrow(0, group.base or 0, rows).view(count, 1, 1, stride))
+        views = RunViews(
+            None if in_order else order.to(self.device), None if in_order else torch.argsort(order).to(self.device),
+            tuple(len(group.members) for group in groups), tuple(keys), tuple(values), tuple(valid),
+        )
+        self._run_views = (self.keys, self.values, valid_rows, views)
+        return views
 
     @property
     def runs(self) -> tuple[tuple[int, ...], ...] | None:

@@ -11,13 +11,15 @@ attended segment by segment where its entries lie (no gather: copying a long hea
 on a CPU with several threads a head of at least ``SPLIT_DECODING_LENGTH`` entries is cut across them
 (:func:`~kvsieve.attention.kernel.split_decoding_attention`: one call runs on one thread). A layout cut into
 strided runs (``StoreCompaction.plan_runs``) has each group's segments back to back with one capacity: the group is
-attended as a view of the buffers with its rows' validity, no gather.
+attended as a view of the buffers with its rows' validity, no gather; the views and the run order are built once per
+layout (``StoreLayout.run_views``), so a step reorders its queries and outputs with one index each, or none.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvsieve.attention import kernel
 from kvsieve.attention.kernel import split_decoding_attention
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
@@ -30,30 +32,15 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     batch, q_heads, _, dim = query.shape
     per_head = q_heads // store.heads  # query heads per stored head
     queries = query.reshape(store.segments, per_head, dim)
-    output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     scaling = step.form.scaling if step.form is not None else step.scaling
+    if groups[0][0].base is not None:  # strided runs (a layout's groups are all runs or none)
+        return _runs_output(step, groups, queries, scaling).view(batch, 1, q_heads, dim)
+    output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     lengths: list[int] = []
     starts: list[int] = []
     for group, width in groups:
         members = group.device_segments
         count = len(group.members)
-        if group.base is not None and count == 1:  # a strided run of one segment: its rows, where they are
-            segment = group.members[0]
-            keys = store.keys.narrow(0, group.base, width)  # the run's one segment holds its longest's entries
-            values = store.values.narrow(0, group.base, width)
-            output[segment] = _one_head(queries[segment], keys, values, scaling)
-            continue
-        if group.base is not None:  # a strided run: its segments back to back, viewed in place
-            rows = count * group.stride
-            keys = store.keys.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
-            values = store.values.narrow(0, group.base, rows).view(count, 1, group.stride, dim).narrow(2, 0, width)
-            mask = None if group.equal else (
-                store.row_valid().narrow(0, group.base, rows).view(count, 1, 1, group.stride).narrow(3, 0, width))
-            group_query = queries.index_select(0, members).view(count, 1, per_head, dim)
-            out = torch.nn.functional.scaled_dot_product_attention(group_query, keys, values, attn_mask=mask,
-                                                                   scale=scaling)
-            output.index_copy_(0, members, out.view(count, per_head, dim))
-            continue
         if not lengths:
             lengths, starts = store.length.tolist(), store.start.tolist()  # host bookkeeping, read once
         shortest = min(lengths[segment] for segment in group.members)
@@ -74,6 +61,30 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
                                                                scale=scaling)
         output.index_copy_(0, members, out.view(count, per_head, dim))
     return output.view(batch, 1, q_heads, dim)
+
+
+def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries: torch.Tensor, scaling: float
+                 ) -> torch.Tensor:
+    """Attention output ``(segments, per_head, d)`` of a layout cut into strided runs: each run one SDPA call over
+    its zero-copy view narrowed to its width (a run of one head of at least ``SPLIT_DECODING_LENGTH`` entries: split
+    across the threads), the queries put in run order and the outputs back in segment order with one index each."""
+    views = step.store.run_views()
+    per_head, dim = queries.shape[1], queries.shape[2]
+    if views.order is not None:
+        queries = queries.index_select(0, views.order)
+    outputs = []
+    for (group, width), query, keys, values, valid in zip(groups, queries.split(views.sizes), views.keys,
+                                                          views.values, views.valid, strict=True):
+        count = len(group.members)
+        keys, values = keys.narrow(2, 0, width), values.narrow(2, 0, width)
+        if count == 1 and width >= kernel.SPLIT_DECODING_LENGTH:
+            outputs.append(_one_head(query[0], keys[0, 0], values[0, 0], scaling).view(1, 1, per_head, dim))
+            continue
+        mask = None if valid is None else valid.narrow(3, 0, width)
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            query.view(count, 1, per_head, dim), keys, values, attn_mask=mask, scale=scaling))
+    output = torch.cat(outputs).view(-1, per_head, dim)
+    return output if views.inverse is None else output.index_select(0, views.inverse)
 
 
 def _one_head(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
