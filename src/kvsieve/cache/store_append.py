@@ -89,8 +89,10 @@ class StoreAppend(StoreLayout):
         if self._next_rows is None:
             self._next_rows = (self._start + self._length).to(self.device)
         dst = self._next_rows
-        self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim).to(self.dtype))
-        self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim).to(self.dtype))
+        if keys.dtype != self.dtype:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
+        self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim))
         self.positions.index_fill_(0, dst, position)
         for name, t in self.extras.items():
             t.index_fill_(0, dst, self.side_specs[name].fill)

@@ -134,7 +134,10 @@ class StoreCompaction(StoreLayout):
         if not cuts:
             return None
         best = min(cuts, key=lambda g: cuts[g][0] + g * cost)
-        return tuple(tuple(members.tolist()) for members, _, _ in cuts[best][1])
+        # laid out as close to segment order as the cut allows (each run's segments ascending, runs by their first):
+        # where that is segment order, a decoding step reorders neither its queries nor its outputs
+        runs = sorted(sorted(members.tolist()) for members, _, _ in cuts[best][1])
+        return tuple(tuple(run) for run in runs)
 
     def _keep_uniform(self, local_index: torch.Tensor, kept: int) -> torch.Tensor:
         """:meth:`keep` of a uniform store where every segment keeps ``kept`` entries: the layout stays uniform
