@@ -66,8 +66,10 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
 def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries: torch.Tensor, scaling: float
                  ) -> torch.Tensor:
     """Attention output ``(segments, per_head, d)`` of a layout cut into strided runs: each run one SDPA call over
-    its zero-copy view narrowed to its width (a run of one head of at least ``SPLIT_DECODING_LENGTH`` entries: split
-    across the threads), the queries put in run order and the outputs back in segment order with one index each."""
+    its zero-copy view — narrowed to its width where its members hold as many entries (a run of one head of at least
+    ``SPLIT_DECODING_LENGTH`` entries: split across the threads), else whole with its rows' validity (the slack rows
+    are invalid: masked, a few more slots instead of three views per step) — the queries put in run order and the
+    outputs back in segment order with one index each (none where the runs lie in segment order)."""
     views = step.store.run_views()
     per_head, dim = queries.shape[1], queries.shape[2]
     if views.order is not None:
@@ -76,13 +78,14 @@ def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries
     for (group, width), query, keys, values, valid in zip(groups, queries.split(views.sizes), views.keys,
                                                           views.values, views.valid, strict=True):
         count = len(group.members)
-        keys, values = keys.narrow(2, 0, width), values.narrow(2, 0, width)
-        if count == 1 and width >= kernel.SPLIT_DECODING_LENGTH:
-            outputs.append(_one_head(query[0], keys[0, 0], values[0, 0], scaling).view(1, 1, per_head, dim))
-            continue
-        mask = None if valid is None else valid.narrow(3, 0, width)
+        if valid is None:  # members of one length (a run of one head included): their rows, no mask
+            keys, values = keys.narrow(2, 0, width), values.narrow(2, 0, width)
+            if count == 1 and width >= kernel.SPLIT_DECODING_LENGTH:
+                outputs.append(_one_head(query[0], keys[0, 0], values[0, 0], scaling).view(1, 1, per_head, dim))
+                continue
+        # else the validity masks every row past a member's entries, slack included: the whole stride, as it lies
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query.view(count, 1, per_head, dim), keys, values, attn_mask=mask, scale=scaling))
+            query.view(count, 1, per_head, dim), keys, values, attn_mask=valid, scale=scaling))
     output = torch.cat(outputs).view(-1, per_head, dim)
     return output if views.inverse is None else output.index_select(0, views.inverse)
 
