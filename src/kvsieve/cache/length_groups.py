@@ -77,8 +77,8 @@ class RunViews:
         inverse: where each segment lies in run order (None likewise).
         sizes: segments per run, in run order (``torch.split`` sizes).
         keys, values: per run, the buffers viewed ``(members, 1, stride, d)`` (zero-copy).
-        valid: per run, the rows' validity viewed ``(members, 1, 1, stride)``; None where every member holds as many
-            entries (no mask).
+        bias: per run, the rows' validity as an additive mask (``StoreLayout.row_bias``) viewed
+            ``(members, 1, 1, stride)``; None where every member holds as many entries (no mask).
     """
 
     order: torch.Tensor | None
@@ -86,7 +86,7 @@ class RunViews:
     sizes: tuple[int, ...]
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
-    valid: tuple[torch.Tensor | None, ...]
+    bias: tuple[torch.Tensor | None, ...]
 
 
 Run = tuple[torch.Tensor, int, bool]

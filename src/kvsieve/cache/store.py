@@ -73,7 +73,9 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
         hook.after_layout(self)
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys, values, positions, side data and hook data (growth slack included)."""
+        """Bytes allocated for keys, values, positions, side data and hook data (growth slack included), and a
+        padded layout's or strided runs' per-row validity and its additive mask, while they are kept."""
         total = self.keys.nbytes + self.values.nbytes + self.positions.nbytes
+        total += sum(t.nbytes for t in (self._row_valid, self._row_bias) if t is not None)
         total += sum(t.nbytes for t in self.extras.values()) + sum(tier.nbytes() for tier in self.tiers)
         return total + sum(hook.nbytes() for hook in self.hooks)

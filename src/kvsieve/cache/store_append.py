@@ -15,6 +15,9 @@ from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capaciti
 
 #: Entries added per segment whenever an append does not fit (amortised O(1) appends at decoding).
 GROWTH = 64
+#: Decoding steps whose rows a ragged layout computes at once (``(steps, segments)`` on the entries' device): a step
+#: then takes its row of the table instead of computing the next rows.
+ROW_TABLE_STEPS = 64
 
 
 class StoreAppend(StoreLayout):
@@ -86,9 +89,13 @@ class StoreAppend(StoreLayout):
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
         segs = self.segments
-        if self._next_rows is None:
-            self._next_rows = (self._start + self._length).to(self.device)
-        dst = self._next_rows
+        table = self._next_rows
+        if table is None or self._next_step == table.shape[0]:  # each segment's next rows for the next steps, once
+            steps = torch.arange(min(self._min_slack, ROW_TABLE_STEPS), dtype=torch.long)
+            table = self._next_rows = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
+            self._next_step = 0
+        dst = table[self._next_step]  # a view: no device operation per step for the rows
+        self._next_step += 1
         if keys.dtype != self.dtype:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
@@ -98,6 +105,8 @@ class StoreAppend(StoreLayout):
             t.index_fill_(0, dst, self.side_specs[name].fill)
         if self._row_valid is not None:  # a padded layout's or strided runs' validity: the written rows, in place
             self._row_valid.index_fill_(0, dst, True)
+        if self._row_bias is not None:
+            self._row_bias.index_fill_(0, dst, 0.0)
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
             if self._next_cols is None:  # each segment's next slot, kept on the device while the index is
@@ -113,9 +122,8 @@ class StoreAppend(StoreLayout):
             self._next_cols = self._next_cols + 1
         else:
             self._next_cols = None
-        self._next_rows = dst + 1
         self._appended = (dst, None)  # one row per segment
-        self._length += 1
+        self._decoded += 1  # every segment's length, brought up to date when read (``StoreLayout._length``)
         self._max_length += 1
         self._min_slack -= 1
         for hook in self.hooks:

@@ -52,6 +52,9 @@ class StoreLayout:
     """
 
     hooks: Sequence[LayoutListener]
+    #: A ragged layout's lengths as last brought up to date, and the decoding appends since (:attr:`_length`).
+    _held: torch.Tensor
+    _decoded: int = 0
     #: Set while an operation moves entries in several steps (the tiers' keep, batch selection, restore):
     #: hooks are told once, at its end, when the dense view they rebuild from is whole again.
     _hooks_deferred: bool = False
@@ -73,13 +76,19 @@ class StoreLayout:
         #: Per buffer row, whether it holds an entry, on the entries' device (built for a padded layout's view and
         #: strided runs; decoding appends set the rows they write in place): :meth:`row_valid`.
         self._row_valid: torch.Tensor | None = None
+        #: The same as an additive mask in the entries' dtype (0 where a row holds an entry, −inf elsewhere), built
+        #: when a decoding step first masks with it and kept by decoding appends: SDPA then adds it as it is, where a
+        #: boolean mask is converted to this at every call (:meth:`row_bias`).
+        self._row_bias: torch.Tensor | None = None
         #: A ragged layout's strided runs: the segments of each, in buffer order (None: segment order, no runs).
         self._runs: tuple[tuple[int, ...], ...] | None = None
         #: Segment ends in buffer order and the order (None when it is segment order), on the entries' device.
         self._segment_lookup: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        #: A ragged layout's next rows per decoding step ``(steps, segments)`` and the next step's index in it.
         self._next_rows: torch.Tensor | None = None
+        self._next_step = 0
         #: Per segment, the slot a decoding step writes next, on the entries' device (no host copy per step).
         self._next_cols: torch.Tensor | None = None
         #: Where the last append wrote (see :meth:`~kvsieve.cache.store_append.StoreAppend.add_to_appended`):
@@ -89,7 +98,7 @@ class StoreLayout:
         self._groups: tuple[list[LengthGroup] | None, int] | None = None
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
-        #: The strided runs' views (:meth:`run_views`) with the buffers and validity they view.
+        #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
 
     def _layout_changed(self) -> None:
@@ -132,6 +141,20 @@ class StoreLayout:
         return self._length
 
     @property
+    def _length(self) -> torch.Tensor:
+        """Entries held per segment of a ragged layout (host ``long``). A decoding append adds one to every segment:
+        it counts that in ``_decoded`` (a Python int) and the tensor is brought up to date when next read, so a
+        decoding step makes no host tensor operation per layer for it."""
+        if self._decoded:
+            self._held = self._held + self._decoded
+            self._decoded = 0
+        return self._held
+
+    @_length.setter
+    def _length(self, value: torch.Tensor) -> None:
+        self._held, self._decoded = value, 0
+
+    @property
     def capacity(self) -> torch.Tensor:
         if self._uniform is not None:
             return torch.full((self.segments,), self._uniform[1], dtype=torch.long)
@@ -147,6 +170,7 @@ class StoreLayout:
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
         self._run_views = None  # likewise
         self._row_valid = None
+        self._row_bias = None
         self._segment_lookup = None
 
     def _set_uniform(self, length: int, capacity: int) -> None:
@@ -199,7 +223,7 @@ class StoreLayout:
         viewing the buffers anew, and reorders the queries and outputs with one index each (none when the runs lie
         in segment order) instead of one per run."""
         assert self._runs is not None and self._groups is not None and self._groups[0] is not None
-        valid_rows = self.row_valid()
+        valid_rows = self.row_bias()
         cached = self._run_views
         if cached is not None and cached[0] is self.keys and cached[1] is self.values and cached[2] is valid_rows:
             return cached[3]
@@ -208,16 +232,16 @@ class StoreLayout:
         assert sorted(members) == list(range(self.segments)), "strided runs must hold every segment once"
         in_order = members == list(range(self.segments))
         order = torch.tensor(members, dtype=torch.long)
-        keys, values, valid = [], [], []
+        keys, values, bias = [], [], []
         for group in groups:
             count, stride = len(group.members), group.stride
             rows = count * stride
             keys.append(self.keys.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
             values.append(self.values.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
-            valid.append(None if group.equal else valid_rows.narrow(0, group.base or 0, rows).view(count, 1, 1, stride))
+            bias.append(None if group.equal else valid_rows.narrow(0, group.base or 0, rows).view(count, 1, 1, stride))
         views = RunViews(
             None if in_order else order.to(self.device), None if in_order else torch.argsort(order).to(self.device),
-            tuple(len(group.members) for group in groups), tuple(keys), tuple(values), tuple(valid),
+            tuple(len(group.members) for group in groups), tuple(keys), tuple(values), tuple(bias),
         )
         self._run_views = (self.keys, self.values, valid_rows, views)
         return views
@@ -239,6 +263,21 @@ class StoreLayout:
             valid[held] = True
             self._row_valid = valid.to(self.device)
         return self._row_valid
+
+    def row_bias(self) -> torch.Tensor:
+        """:meth:`row_valid` as an additive attention mask ``(rows,)`` in the entries' dtype: 0 where a row holds an
+        entry, −inf elsewhere (what SDPA makes of a boolean mask at every call; this one is built once per layout and
+        kept by decoding appends, one more in-place fill each)."""
+        if self._row_bias is None:
+            valid = self.row_valid()
+            bias = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device)
+            self._row_bias = bias.masked_fill_(~valid, float("-inf"))
+        return self._row_bias
+
+    def padded_bias(self) -> torch.Tensor:
+        """A padded layout's :meth:`row_bias` viewed ``(batch, heads, L)`` like :meth:`dense`'s validity."""
+        assert self._stride is not None
+        return self.row_bias().view(self.batch, self.heads, self._stride).narrow(2, 0, self._max_length)
 
     def segments_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The segment of each flat buffer row in ``rows`` (a device tensor), whatever order the segments lie in."""

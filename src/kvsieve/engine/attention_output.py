@@ -95,9 +95,13 @@ def all_entries_output(
         return attend(module, step.query, view.keys, view.values, None, step.form)
     if step.is_decoding and sliding_window is None and bias is None and (step.form is None or not step.form.explicit):
         # ragged heads: the newest query sees every valid entry; packed, the validity broadcasts over each KV
-        # head's query rows (transformers' masked call repeats every key and value per query head instead)
+        # head's query rows (transformers' masked call repeats every key and value per query head instead); a
+        # padded layout's validity as the additive mask it keeps (SDPA would convert the boolean one per call)
         assert view.valid is not None
-        return packed_decoding_output(step.query, view.keys, view.values, step.scaling, view.valid)
+        store = step.store
+        padded = store.is_padded and not store.tiers and view is store.dense() and store.dtype == step.query.dtype
+        mask = store.padded_bias() if padded else view.valid
+        return packed_decoding_output(step.query, view.keys, view.values, step.scaling, mask)
     mask = output_mask(
         lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias,
         step.query.dtype, newest_query=step.is_decoding,
@@ -125,7 +129,8 @@ def packed_decoding_output(query: torch.Tensor, keys: torch.Tensor, values: torc
                            valid: torch.Tensor | None = None) -> torch.Tensor:
     """One decoding query per head over ``keys``/``values`` ``(batch, kv_heads, L, d)``, each KV head's group of
     query heads as the rows of one SDPA call: ``(batch, 1, q_heads, d)``. ``valid`` ``(batch, kv_heads, L)``
-    (ragged heads' padded view) masks the padding, one row of it shared by the group's query rows: no key,
+    (ragged heads' padded view: a boolean validity, or the additive 0 / −inf mask of a padded layout,
+    ``StoreLayout.padded_bias``) masks the padding, one row of it shared by the group's query rows: no key,
     value or mask is repeated per query head (transformers' masked call copies every key and value ``groups``
     times per layer and step). The same output within rounding (bit for bit with torch 2.13 on the CPU), 5–25%
     faster per call at 256–2,048 entries on the CPU; on an H200 ``adakv`` decodes at 1.70× a ``DynamicCache``'s

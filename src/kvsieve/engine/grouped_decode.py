@@ -75,17 +75,17 @@ def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries
     if views.order is not None:
         queries = queries.index_select(0, views.order)
     outputs = []
-    for (group, width), query, keys, values, valid in zip(groups, queries.split(views.sizes), views.keys,
-                                                          views.values, views.valid, strict=True):
+    for (group, width), query, keys, values, bias in zip(groups, queries.split(views.sizes), views.keys,
+                                                         views.values, views.bias, strict=True):
         count = len(group.members)
-        if valid is None:  # members of one length (a run of one head included): their rows, no mask
+        if bias is None:  # members of one length (a run of one head included): their rows, no mask
             keys, values = keys.narrow(2, 0, width), values.narrow(2, 0, width)
             if count == 1 and width >= kernel.SPLIT_DECODING_LENGTH:
                 outputs.append(_one_head(query[0], keys[0, 0], values[0, 0], scaling).view(1, 1, per_head, dim))
                 continue
         # else the validity masks every row past a member's entries, slack included: the whole stride, as it lies
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query.view(count, 1, per_head, dim), keys, values, attn_mask=valid, scale=scaling))
+            query.view(count, 1, per_head, dim), keys, values, attn_mask=bias, scale=scaling))
     output = torch.cat(outputs).view(-1, per_head, dim)
     return output if views.inverse is None else output.index_select(0, views.inverse)
 
