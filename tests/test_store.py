@@ -455,8 +455,9 @@ def test_keeping_as_many_in_every_segment_of_a_uniform_store_stays_uniform(reser
 
 def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
     """Heads of similar lengths (one padded view at decoding, no length groups): equal capacities back to back, a
-    zero-copy dense view equal to the gathered one on every held entry, finite free rows; decoding appends, a
-    relayout when the slack runs out and side data keep it so. Very uneven heads stay compact (length groups)."""
+    zero-copy dense view equal to the gathered one on every held entry, finite free rows, and the decoding views
+    (keys, values, additive validity mask) equal to it; decoding appends, a relayout when the slack runs out and side
+    data keep it so. Very uneven heads stay compact (length groups)."""
     store = make_store()
     keys, values = kv(40, seed=61)
     store.append(keys, values, 0, None)
@@ -480,6 +481,11 @@ def test_similar_lengths_are_laid_out_padded_and_viewed_in_place():
                 assert torch.equal(view.keys[b, h, :n], k) and torch.equal(view.values[b, h, :n], v)
                 assert torch.equal(view.positions[b, h, :n], p)
         assert torch.isfinite(store.keys).all() and torch.isfinite(store.values).all()
+        # what a decoding step reads instead of the dense view: the same keys and values, the validity as 0 / −inf
+        keys, values, bias = store.padded_decoding_views()
+        assert torch.equal(keys, view.keys) and torch.equal(values, view.values)
+        assert torch.equal(bias, torch.zeros(bias.shape).masked_fill(~view.valid, float("-inf")))
+        assert keys.untyped_storage().data_ptr() == store.keys.untyped_storage().data_ptr()
 
     check()
     for step in range(3):  # the longest segment has no slack: the first append relayouts, padded again

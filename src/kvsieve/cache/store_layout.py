@@ -100,6 +100,9 @@ class StoreLayout:
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
+        #: A padded layout's buffers and bias viewed ``(batch, heads, capacity, ...)`` (:meth:`padded_decoding_views`),
+        #: with the tensors they view.
+        self._padded_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, CapacityViews] | None = None
 
     def _layout_changed(self) -> None:
         """Tell every hook that entries were removed, moved or reordered (not while deferred)."""
@@ -169,6 +172,7 @@ class StoreLayout:
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
         self._run_views = None  # likewise
+        self._padded_cache = None  # likewise
         self._row_valid = None
         self._row_bias = None
         self._segment_lookup = None
@@ -274,10 +278,20 @@ class StoreLayout:
             self._row_bias = bias.masked_fill_(~valid, float("-inf"))
         return self._row_bias
 
-    def padded_bias(self) -> torch.Tensor:
-        """A padded layout's :meth:`row_bias` viewed ``(batch, heads, L)`` like :meth:`dense`'s validity."""
+    def padded_decoding_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A padded layout's keys and values ``(batch, heads, L, d)`` and :meth:`row_bias` ``(batch, heads, L)`` up to
+        the longest segment (``L``), what :meth:`dense` views, from views of the buffers made once per layout and
+        buffers: a decoding step narrows three views instead of building the dense view."""
         assert self._stride is not None
-        return self.row_bias().view(self.batch, self.heads, self._stride).narrow(2, 0, self._max_length)
+        bias = self.row_bias()
+        cached = self._padded_cache
+        if cached is None or cached[0] is not self.keys or cached[1] is not self.values or cached[2] is not bias:
+            shape = (self.batch, self.heads, self._stride)
+            views = (self.keys.view(*shape, self.head_dim), self.values.view(*shape, self.head_dim), bias.view(shape))
+            cached = self._padded_cache = (self.keys, self.values, bias, views)
+        keys, values, mask = cached[3]
+        held = self._max_length
+        return keys.narrow(2, 0, held), values.narrow(2, 0, held), mask.narrow(2, 0, held)
 
     def segments_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The segment of each flat buffer row in ``rows`` (a device tensor), whatever order the segments lie in."""

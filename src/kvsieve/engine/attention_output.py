@@ -85,9 +85,16 @@ def all_entries_output(
     store passes its cheaper unordered :meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`)."""
     if view is None:
         if step.is_decoding and sliding_window is None and bias is None and not (step.form and step.form.explicit):
-            groups = step.store.length_groups()  # ragged heads of very different lengths: group by length
+            store = step.store
+            groups = store.length_groups()  # ragged heads of very different lengths: group by length
             if groups is not None:
                 return grouped_decode_output(step, groups)
+            if store.is_padded and not store.tiers and store.dtype == step.query.dtype:
+                # a padded layout: its buffers and the additive validity mask it keeps, viewed in place (no dense
+                # view, and no boolean mask for SDPA to convert at every call); what the packed masked call below
+                # computes from the dense view
+                keys, values, mask = store.padded_decoding_views()
+                return packed_decoding_output(step.query, keys, values, step.scaling, mask)
         view = step.view
     if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
         if compressed and packs_decoding_query(step):
@@ -95,13 +102,9 @@ def all_entries_output(
         return attend(module, step.query, view.keys, view.values, None, step.form)
     if step.is_decoding and sliding_window is None and bias is None and (step.form is None or not step.form.explicit):
         # ragged heads: the newest query sees every valid entry; packed, the validity broadcasts over each KV
-        # head's query rows (transformers' masked call repeats every key and value per query head instead); a
-        # padded layout's validity as the additive mask it keeps (SDPA would convert the boolean one per call)
+        # head's query rows (transformers' masked call repeats every key and value per query head instead)
         assert view.valid is not None
-        store = step.store
-        padded = store.is_padded and not store.tiers and view is store.dense() and store.dtype == step.query.dtype
-        mask = store.padded_bias() if padded else view.valid
-        return packed_decoding_output(step.query, view.keys, view.values, step.scaling, mask)
+        return packed_decoding_output(step.query, view.keys, view.values, step.scaling, view.valid)
     mask = output_mask(
         lambda: step.query_positions, lambda: view.positions, view.valid, sliding_window, step.groups, bias,
         step.query.dtype, newest_query=step.is_decoding,
