@@ -140,11 +140,26 @@ def rotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> t
 
 
 def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
-    """Stored (rotated) keys ``(..., d)`` at ``positions`` → raw pre-RoPE keys (float32); inverse of :func:`rotate`."""
+    """Stored (rotated) keys ``(..., d)`` at ``positions`` → raw pre-RoPE keys (float32); inverse of :func:`rotate`.
+
+    Computed half by half into one float32 buffer — ``x₁ = (y₁·cos + y₂·sin) / a``, ``x₂ = (y₂·cos − y₁·sin) / a``
+    (``a`` the attention scaling, folded into the small cos/sin tables) — reading the stored dtype directly: no
+    float copy of the keys, no rotated half, no concatenation (a prompt's queries are un-rotated per layer by
+    Expected Attention: 12.8 → ~4 ms per layer at 4k tokens × 9 heads on the CPU)."""
     if table.rotary_dim == 0:  # NoPE layer
         return keys.float()
-    cos, sin = cos_sin(table, positions)
-    x = keys.float()
-    r = table.rotary_dim
-    raw = (x[..., :r] * cos - rotate_half(x[..., :r]) * sin) / (table.scaling * table.scaling)
-    return torch.cat((raw, x[..., r:]), dim=-1) if r < x.shape[-1] else raw
+    half = table.rotary_dim // 2
+    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
+    cos, sin = freqs.cos(), freqs.sin()
+    if table.scaling != 1.0:
+        cos, sin = cos / table.scaling, sin / table.scaling
+    raw = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+    first, second = keys[..., :half], keys[..., half : 2 * half]
+    out_first, out_second = raw[..., :half], raw[..., half : 2 * half]
+    torch.mul(first, cos, out=out_first)
+    out_first.addcmul_(second, sin)
+    torch.mul(second, cos, out=out_second)
+    out_second.addcmul_(first, sin, value=-1.0)
+    if 2 * half < keys.shape[-1]:  # partial rotary: the rest as stored
+        raw[..., 2 * half :] = keys[..., 2 * half :]
+    return raw

@@ -69,12 +69,12 @@ def query_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean ``(batch, heads, d)`` and biased covariance ``(batch, heads, d, d)`` of ``queries`` ``(batch, heads,
     q, d)`` over the queries where ``use`` ``(batch, q)`` is True (a row with none gets zeros)."""
-    weights = use.to(queries.dtype)[:, None, :, None]
-    count = weights.sum(dim=2).clamp(min=1.0)
-    mean = (queries * weights).sum(dim=2) / count
+    weights = use.to(queries.dtype)[:, None, None, :]  # (batch, 1, 1, q)
+    count = weights.sum(dim=-1).clamp(min=1.0)  # (batch, 1, 1)
+    mean = torch.matmul(weights, queries).squeeze(2) / count  # a weighted sum as one product, no weighted copy
     if not covariance:
         return mean, None
-    centred = (queries - mean.unsqueeze(2)) * weights
+    centred = (queries - mean.unsqueeze(2)).mul_(weights.transpose(-1, -2))  # one buffer, the weights in place
     cov = torch.matmul(centred.transpose(-1, -2), centred) / count.unsqueeze(-1)
     return mean, cov
 
@@ -157,9 +157,14 @@ class ExpectedAttention(Scorer):
         mean = mean.view(batch, kv_heads, groups, d)
         logits = scaling * torch.matmul(mean, keys.transpose(-1, -2))  # (batch, kv, groups, L)
         if cov is not None:
-            cov = cov.view(batch, kv_heads, groups, d, d)
-            spread = torch.matmul(keys.unsqueeze(2), cov)  # (batch, kv, groups, L, d)
-            logits = logits + 0.5 * scaling * scaling * (spread * keys.unsqueeze(2)).sum(dim=-1)
+            # kᵀΣk for every group's Σ at once: the keys times the group's covariances side by side (one product per
+            # KV head, the keys not repeated per group), then each product times its key, summed
+            length = keys.shape[2]
+            side_by_side = cov.view(batch, kv_heads, groups, d, d).permute(0, 1, 3, 2, 4).reshape(
+                batch, kv_heads, d, groups * d)
+            spread = torch.matmul(keys, side_by_side).view(batch, kv_heads, length, groups, d)
+            quadratic = spread.mul_(keys.unsqueeze(3)).sum(dim=-1).transpose(-1, -2)  # (batch, kv, groups, L)
+            logits = logits + 0.5 * scaling * scaling * quadratic
         logits = logits.masked_fill(~scored.unsqueeze(2), -math.inf)
         scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)
         if self.use_vnorm:
