@@ -94,6 +94,9 @@ class StoreAppend(StoreLayout):
             steps = torch.arange(min(self._min_slack, ROW_TABLE_STEPS), dtype=torch.long)
             table = self._next_rows = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
             self._next_step = 0
+            rows = table.reshape(-1)  # free rows until these steps write them: their side data starts at its fill now
+            for name, t in self.extras.items():
+                t.index_fill_(0, rows, self.side_specs[name].fill)
         dst = table[self._next_step]  # a view: no device operation per step for the rows
         self._next_step += 1
         if keys.dtype != self.dtype:
@@ -101,8 +104,6 @@ class StoreAppend(StoreLayout):
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim))
         self.positions.index_fill_(0, dst, position)
-        for name, t in self.extras.items():
-            t.index_fill_(0, dst, self.side_specs[name].fill)
         if self._row_valid is not None:  # a padded layout's or strided runs' validity: the written rows, in place
             self._row_valid.index_fill_(0, dst, True)
         if self._row_bias is not None:

@@ -63,6 +63,17 @@ def window_prefix_rows(step: LayerStep, window: int) -> tuple[torch.Tensor, torc
     return rows * in_prefix, prefix, queries
 
 
+def window_statistics(step: LayerStep, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The window's prefix rows (:func:`window_prefix_rows`) and their mean and variance
+    (:func:`window_mean_var`), computed once per step: the indicator and the layer preference both read them."""
+    key = ("cake_window_statistics", window)
+    if key not in step._memo:
+        rows, _, queries = window_prefix_rows(step, window)
+        step._memo[key] = (rows, *window_mean_var(rows, queries))
+    cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = step._memo[key]
+    return cached
+
+
 def window_mean_var(rows: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance over the real window queries, ``(batch, q_heads, L)`` each."""
     weights = queries.to(rows.dtype)[:, None, :, None]
@@ -88,17 +99,15 @@ class CakeIndicator(Scorer):
         require_odd_int(self.name, "kernel_size", self.kernel_size)
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
-        rows, _, queries = window_prefix_rows(step, self.window)
-        mean, var = window_mean_var(rows, queries)
+        _, mean, var = window_statistics(step, self.window)
         pooled = pool_scores(mean + self.gamma * var, self.kernel_size, "avgpool")
         return reduce_groups(pooled, step.kv_heads, "mean")
 
 
 def layer_preference(step: LayerStep, window: int, tau1: float, tau2: float) -> torch.Tensor:
     """``P = H^{1/τ₁} · V^{1/τ₂}`` of one layer per batch row ``(batch,)`` (Eq. 3–5, float32)."""
-    rows, _, queries = window_prefix_rows(step, window)
+    rows, _, var = window_statistics(step, window)
     entropy = -(rows * torch.log(rows + ENTROPY_EPS)).sum(dim=(1, 2, 3))
-    _, var = window_mean_var(rows, queries)
     shift = var.sum(dim=(1, 2))
     return entropy.clamp(min=0.0) ** (1.0 / tau1) * shift.clamp(min=0.0) ** (1.0 / tau2)
 
