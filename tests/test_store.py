@@ -666,3 +666,35 @@ def _same_entries_and_views(padded: LayerStore, compact: LayerStore) -> None:
     assert torch.equal(view_p.keys[valid], view_c.keys[valid])
     assert torch.equal(view_p.values[valid], view_c.values[valid])
 
+
+
+def test_decoding_appends_on_a_ragged_layout_keep_their_positions_and_fills(layout):
+    """Decoding appends on a ragged layout take their rows from a table built for the next steps, which writes the
+    positions consecutive steps will have and the side data's fill ahead: a step at another position (a jump, as
+    after a skipped token) still stores its own, every appended entry's side data starts at the fill, and the
+    held entries are the appended keys, values and positions, in every layout."""
+    store = make_store()
+    keys, values = kv(40, seed=90)
+    store.append(keys, values, 0, None)
+    store.ensure_extra("acc")
+    store.add_dense("acc", torch.full((B, H, 40), 7.0))
+    counts = torch.tensor([3, 30, 4, 28, 5, 31])
+    local = torch.stack([torch.cat([torch.arange(40 - int(n), 40), torch.zeros(32 - int(n), dtype=torch.long)])
+                         for n in counts])  # each segment keeps its newest entries
+    store.keep(local, counts)
+    appended = []
+    for step, position in enumerate([40, 41, 57, 58, 59, 200]):
+        k, v = kv(1, seed=100 + step)
+        store.append(k, v, position, None)
+        appended.append((k, v, position))
+    for b in range(B):
+        for h in range(H):
+            stored_keys, stored_values, stored_positions = segment(store, b, h)
+            n = len(appended)
+            assert stored_positions[-n:].tolist() == [40, 41, 57, 58, 59, 200]
+            assert torch.equal(stored_keys[-n:], torch.stack([k[b, h, 0] for k, _, _ in appended]))
+            assert torch.equal(stored_values[-n:], torch.stack([v[b, h, 0] for _, v, _ in appended]))
+            s = b * H + h
+            start, length = int(store.start[s]), int(store.length[s])
+            side = store.extras["acc"][start : start + length]
+            assert side[-n:].tolist() == [0.0] * n and side[:-n].tolist() == [7.0] * (length - n)

@@ -94,20 +94,27 @@ class StoreAppend(StoreLayout):
             steps = torch.arange(min(self._min_slack, ROW_TABLE_STEPS), dtype=torch.long)
             table = self._next_rows = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
             self._next_step = 0
-            rows = table.reshape(-1)  # free rows until these steps write them: their side data starts at its fill now
+            # free rows until these steps write them: their side data starts at its fill and their positions at the
+            # ones consecutive steps give them now, once (a step whose position differs writes its own)
+            rows = table.reshape(-1)
             for name, t in self.extras.items():
                 t.index_fill_(0, rows, self.side_specs[name].fill)
+            self._table_position = position
+            ahead = (position + steps).to(self.device)[:, None].expand(table.shape)
+            self.positions.index_copy_(0, rows, ahead.reshape(-1))
         dst = table[self._next_step]  # a view: no device operation per step for the rows
+        if position != self._table_position + self._next_step:
+            self.positions.index_fill_(0, dst, position)
         self._next_step += 1
         if keys.dtype != self.dtype:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim))
-        self.positions.index_fill_(0, dst, position)
-        if self._row_valid is not None:  # a padded layout's or strided runs' validity: the written rows, in place
-            self._row_valid.index_fill_(0, dst, True)
-        if self._row_bias is not None:
+        if self._row_bias is not None:  # the validity as the additive mask decoding reads; the boolean one from it
             self._row_bias.index_fill_(0, dst, 0.0)
+            self._row_valid = None
+        elif self._row_valid is not None:  # a padded layout's or strided runs' validity: the written rows, in place
+            self._row_valid.index_fill_(0, dst, True)
         cached = self._gather_cache
         if cached is not None:  # extend the cached gather index by the new entries instead of rebuilding it
             if self._next_cols is None:  # each segment's next slot, kept on the device while the index is

@@ -89,6 +89,8 @@ class StoreLayout:
         #: A ragged layout's next rows per decoding step ``(steps, segments)`` and the next step's index in it.
         self._next_rows: torch.Tensor | None = None
         self._next_step = 0
+        #: The position the table's first step was written for (positions of consecutive steps are written ahead).
+        self._table_position = 0
         #: Per segment, the slot a decoding step writes next, on the entries' device (no host copy per step).
         self._next_cols: torch.Tensor | None = None
         #: Where the last append wrote (see :meth:`~kvsieve.cache.store_append.StoreAppend.add_to_appended`):
@@ -257,7 +259,10 @@ class StoreLayout:
 
     def row_valid(self) -> torch.Tensor:
         """Whether each buffer row holds an entry, ``(rows,)`` bool on the entries' device; built once per layout
-        (from the host bookkeeping, one copy to the device) and kept true by decoding appends."""
+        (from the host bookkeeping, one copy to the device) and kept true by decoding appends — once a decoding step
+        masks with :meth:`row_bias`, appends keep that one only and this is derived from it when next asked."""
+        if self._row_valid is None and self._row_bias is not None:  # decoding appends keep the bias only
+            self._row_valid = self._row_bias == 0
         if self._row_valid is None:
             rows = self.keys.shape[0]
             length, start = self.length, self.start
@@ -271,7 +276,7 @@ class StoreLayout:
     def row_bias(self) -> torch.Tensor:
         """:meth:`row_valid` as an additive attention mask ``(rows,)`` in the entries' dtype: 0 where a row holds an
         entry, −inf elsewhere (what SDPA makes of a boolean mask at every call; this one is built once per layout and
-        kept by decoding appends, one more in-place fill each)."""
+        kept by decoding appends, in place of the boolean one)."""
         if self._row_bias is None:
             valid = self.row_valid()
             bias = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device)
