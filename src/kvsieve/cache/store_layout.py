@@ -229,9 +229,9 @@ class StoreLayout:
         viewing the buffers anew, and reorders the queries and outputs with one index each (none when the runs lie
         in segment order) instead of one per run."""
         assert self._runs is not None and self._groups is not None and self._groups[0] is not None
-        valid_rows = self.row_bias()
+        row_bias = self.row_bias()
         cached = self._run_views
-        if cached is not None and cached[0] is self.keys and cached[1] is self.values and cached[2] is valid_rows:
+        if cached is not None and cached[0] is self.keys and cached[1] is self.values and cached[2] is row_bias:
             return cached[3]
         groups, dim = self._groups[0], self.head_dim
         members = [segment for group in groups for segment in group.members]
@@ -244,12 +244,12 @@ class StoreLayout:
             rows = count * stride
             keys.append(self.keys.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
             values.append(self.values.narrow(0, group.base or 0, rows).view(count, 1, stride, dim))
-            bias.append(None if group.equal else valid_rows.narrow(0, group.base or 0, rows).view(count, 1, 1, stride))
+            bias.append(None if group.equal else row_bias.narrow(0, group.base or 0, rows).view(count, 1, 1, stride))
         views = RunViews(
             None if in_order else order.to(self.device), None if in_order else torch.argsort(order).to(self.device),
             tuple(len(group.members) for group in groups), tuple(keys), tuple(values), tuple(bias),
         )
-        self._run_views = (self.keys, self.values, valid_rows, views)
+        self._run_views = (self.keys, self.values, row_bias, views)
         return views
 
     @property

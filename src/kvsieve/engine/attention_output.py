@@ -133,7 +133,7 @@ def packed_decoding_output(query: torch.Tensor, keys: torch.Tensor, values: torc
     """One decoding query per head over ``keys``/``values`` ``(batch, kv_heads, L, d)``, each KV head's group of
     query heads as the rows of one SDPA call: ``(batch, 1, q_heads, d)``. ``valid`` ``(batch, kv_heads, L)``
     (ragged heads' padded view: a boolean validity, or the additive 0 / −inf mask of a padded layout,
-    ``StoreLayout.padded_bias``) masks the padding, one row of it shared by the group's query rows: no key,
+    ``StoreLayout.padded_decoding_views``) masks the padding, one row of it shared by the group's query rows: no key,
     value or mask is repeated per query head (transformers' masked call copies every key and value ``groups``
     times per layer and step). The same output within rounding (bit for bit with torch 2.13 on the CPU), 5–25%
     faster per call at 256–2,048 entries on the CPU; on an H200 ``adakv`` decodes at 1.70× a ``DynamicCache``'s
