@@ -27,7 +27,7 @@ import kvsieve
 from kvsieve.core.part import PolicyConfigError
 from kvsieve.ops.rope import rotary_table
 from kvsieve.parts.allocators.cake import cascade_budgets
-from kvsieve.parts.scorers.expected_attention import apply_rotation, averaged_rotation
+from kvsieve.parts.scorers.expected_attention import apply_rotation, averaged_rotation, query_statistics
 from kvsieve.transformers_adapter import cache_kwargs
 
 LENGTH, BUDGET = 64, 20
@@ -318,3 +318,26 @@ def test_keydiff_and_expected_attention_compose_with_the_adaptive_allocator():
         lengths = compress(model, ids, name, budget=BUDGET, allocator="adaptive").head_lengths()
         assert lengths.sum(dim=-1).tolist() == [[2 * BUDGET]] * 3, name
         assert len({int(x) for x in lengths.flatten()}) > 1, name
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_query_statistics_are_the_weighted_mean_and_biased_covariance(overwrite):
+    """Mean and biased covariance over the used queries only (float64 reference, per row and head); a row with no
+    used query gets zeros; without ``overwrite`` the queries are left as they were, with it they may be centred in
+    place (Expected Attention passes the un-rotated buffer it owns)."""
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(3, 2, 40, 8, generator=generator) * 3 + 5
+    use = torch.rand(3, 40, generator=generator) > 0.3
+    use[2] = False
+    original = queries.clone()
+    mean, cov = query_statistics(queries, use, True, overwrite=overwrite)
+    assert cov is not None
+    for b in range(2):
+        for h in range(2):
+            used = original[b, h][use[b]].double()
+            torch.testing.assert_close(mean[b, h].double(), used.mean(dim=0), atol=1e-5, rtol=1e-5)
+            centred = used - used.mean(dim=0)
+            torch.testing.assert_close(cov[b, h].double(), centred.T @ centred / used.shape[0], atol=1e-4, rtol=1e-5)
+    assert not mean[2].any() and not cov[2].any()
+    if not overwrite:
+        assert torch.equal(queries, original)

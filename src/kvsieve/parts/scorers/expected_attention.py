@@ -65,16 +65,18 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary
 
 
 def query_statistics(
-    queries: torch.Tensor, use: torch.Tensor, covariance: bool
+    queries: torch.Tensor, use: torch.Tensor, covariance: bool, overwrite: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean ``(batch, heads, d)`` and biased covariance ``(batch, heads, d, d)`` of ``queries`` ``(batch, heads,
-    q, d)`` over the queries where ``use`` ``(batch, q)`` is True (a row with none gets zeros)."""
+    q, d)`` over the queries where ``use`` ``(batch, q)`` is True (a row with none gets zeros). ``overwrite``: the
+    caller's ``queries`` may be centred in place (a buffer it owns) instead of a centred copy being made."""
     weights = use.to(queries.dtype)[:, None, None, :]  # (batch, 1, 1, q)
     count = weights.sum(dim=-1).clamp(min=1.0)  # (batch, 1, 1)
     mean = torch.matmul(weights, queries).squeeze(2) / count  # a weighted sum as one product, no weighted copy
     if not covariance:
         return mean, None
-    centred = (queries - mean.unsqueeze(2)).mul_(weights.transpose(-1, -2))  # one buffer, the weights in place
+    centred = queries.sub_(mean.unsqueeze(2)) if overwrite else queries - mean.unsqueeze(2)
+    centred.mul_(weights.transpose(-1, -2))  # the unused queries out, in place
     cov = torch.matmul(centred.transpose(-1, -2), centred) / count.unsqueeze(-1)
     return mean, cov
 
@@ -117,7 +119,8 @@ class ExpectedAttention(Scorer):
         use = positions >= self.n_sink
         if step.query_valid is not None:
             use = use & step.query_valid.to(device)
-        mean, cov = query_statistics(raw_queries, use, self.use_covariance)
+        owned = raw_queries.untyped_storage().data_ptr() != step.query.untyped_storage().data_ptr()
+        mean, cov = query_statistics(raw_queries, use, self.use_covariance, overwrite=owned)  # centred in place
         cos, sin = averaged_rotation(table, positions[:, -1] + 1, self.n_future_positions)
         mean = apply_rotation(mean, cos, sin, table.rotary_dim)
         if cov is not None:  # R̄ Σ R̄ᵀ: rotate the rows, then the columns
