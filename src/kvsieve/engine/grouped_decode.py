@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.attention import kernel
 from kvsieve.attention.kernel import split_decoding_attention
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
@@ -80,7 +79,7 @@ def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries
         count = len(group.members)
         if bias is None:  # members of one length (a run of one head included): their rows, no mask
             keys, values = keys.narrow(2, 0, width), values.narrow(2, 0, width)
-            if count == 1 and width >= kernel.SPLIT_DECODING_LENGTH:
+            if count == 1:  # one head: split across the threads where that pays
                 outputs.append(_one_head(query[0], keys[0, 0], values[0, 0], scaling).view(1, 1, per_head, dim))
                 continue
         # else the validity masks every row past a member's entries, slack included: the whole stride, as it lies

@@ -113,12 +113,19 @@ def _build_rotary_table(config: Any, layer_idx: int, device: torch.device | str)
     return RotaryTable(inv_freq.to(device=device, dtype=torch.float32), float(scaling), rotary_dim)
 
 
+def half_cos_sin(table: RotaryTable, positions: torch.Tensor, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` ``(..., rotary_dim / 2)`` of ``positions`` ``(...)`` times ``factor`` (float32): one half of
+    :func:`cos_sin` (both halves are equal)."""
+    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
+    cos, sin = freqs.cos(), freqs.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
+
+
 def cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` ``(..., rotary_dim)`` of ``positions`` ``(...)``, scaled by the attention factor (float32)."""
-    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
-    cos, sin = freqs.cos(), freqs.sin()  # each half once (transformers takes both of ``cat(freqs, freqs)``)
-    if table.scaling != 1.0:
-        cos, sin = cos * table.scaling, sin * table.scaling
+    cos, sin = half_cos_sin(table, positions, table.scaling)  # each half once (transformers: ``cat(freqs, freqs)``)
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
@@ -149,10 +156,7 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) ->
     if table.rotary_dim == 0:  # NoPE layer
         return keys.float()
     half = table.rotary_dim // 2
-    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
-    cos, sin = freqs.cos(), freqs.sin()
-    if table.scaling != 1.0:
-        cos, sin = cos / table.scaling, sin / table.scaling
+    cos, sin = half_cos_sin(table, positions, 1.0 / table.scaling)
     raw = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
     first, second = keys[..., :half], keys[..., half : 2 * half]
     out_first, out_second = raw[..., :half], raw[..., half : 2 * half]
