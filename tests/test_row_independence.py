@@ -36,6 +36,7 @@ from helpers import left_pad, prompt, with_test_gates
 
 import kvsieve
 from kvsieve.core.part import PolicyConfigError
+from kvsieve.engine.layer_plans import LayerPlans
 from kvsieve.generation.reconstruction import reads_reconstruction, reconstruct
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.allocators.adaptive import Adaptive
@@ -74,12 +75,12 @@ class Event:
 
 @contextmanager
 def recording_plans() -> Iterator[list[Event]]:
-    """Record every ``Action.plan`` call (every compaction) while the block runs."""
+    """Record every compaction plan while the block runs: each ``Action.plan`` call, and each plan the engine's
+    drop-one path makes without it (``LayerPlans._drop_one``, with the scorer's protected scores)."""
     events: list[Event] = []
-    original = Action.plan
+    original, original_drop = Action.plan, LayerPlans._drop_one
 
-    def plan(self: Action, scores: torch.Tensor, counts: torch.Tensor, step: Any) -> Any:
-        result = original(self, scores, counts, step)
+    def record(result: Any, scores: torch.Tensor, step: Any) -> None:
         batch, heads, length = scores.shape
         kept = torch.zeros(batch * heads, length + 1, dtype=torch.bool)
         rank = torch.arange(result.keep.shape[1])[None, :]
@@ -94,13 +95,25 @@ def recording_plans() -> Iterator[list[Event]]:
             scores=scores.detach().float().cpu().clone(),
             kept=kept[:, :length].reshape(batch, heads, length),
         ))
+
+    def plan(self: Action, scores: torch.Tensor, counts: torch.Tensor, step: Any) -> Any:
+        result = original(self, scores, counts, step)
+        record(result, scores, step)
+        return result
+
+    def drop_one(self: LayerPlans, layer_idx: int, step: Any) -> Any:
+        result = original_drop(self, layer_idx, step)
+        if result is not None:
+            record(result, self.policy.scorer.score(step, self.nominal(layer_idx, step)[1]), step)
         return result
 
     Action.plan = plan  # type: ignore[method-assign]
+    LayerPlans._drop_one = drop_one  # type: ignore[method-assign]
     try:
         yield events
     finally:
         Action.plan = original  # type: ignore[method-assign]
+        LayerPlans._drop_one = original_drop  # type: ignore[method-assign]
 
 
 @dataclass

@@ -37,6 +37,8 @@ class StoreCompaction(StoreLayout):
     hooks: list[StoreHook]
     #: Free rows each segment keeps after a :meth:`keep` (set by :meth:`reserving`).
     _reserve: int = 0
+    #: :meth:`drop_one`'s layout key, row table and shift offsets, for the one layout it was last built for.
+    _drop_table: tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor] | None = None
 
     @contextmanager
     def reserving(self, rows: int) -> Iterator[None]:
@@ -158,6 +160,34 @@ class StoreCompaction(StoreLayout):
         self._set_uniform(kept, kept + self._reserve)
         self._layout_changed()
         return src
+
+    def drop_one(self, dropped: torch.Tensor) -> None:
+        """:meth:`keep` of a uniform store where every segment drops one entry, its local index ``dropped[s]``
+        (every-step decoding eviction): the same buffers and layout (``length - 1`` entries and the reserved rows
+        per segment), each buffer moved by one gather whose index is the layout's cached row table plus one past
+        the dropped entry — two device operations to build it instead of the general path's host arithmetic,
+        top-k order and count checks."""
+        assert self._uniform is not None
+        length, cap = self._uniform
+        kept = length - 1
+        key = (self.segments, cap, kept, self._reserve)
+        table = self._drop_table
+        if table is None or table[0] != key or table[1].device != self.device:
+            width = kept + self._reserve
+            offsets = torch.arange(width, device=self.device)
+            # the reserved rows (free: their content is never read) come from the segment's own rows, unshifted
+            rows = (torch.arange(self.segments, device=self.device)[:, None] * cap
+                    + offsets.clamp(max=cap - 1)[None, :])
+            shifted = torch.where(offsets < kept, offsets, -1)  # compared with `dropped`: a reserved row never shifts
+            table = self._drop_table = (key, rows, shifted)
+        _, rows, shifted = table
+        index = (rows + (shifted[None, :] >= dropped.to(self.device)[:, None])).reshape(-1)
+        self.keys, self.values, self.positions = (
+            self.keys.index_select(0, index), self.values.index_select(0, index), self.positions.index_select(0, index)
+        )
+        self.extras = {name: t.index_select(0, index) for name, t in self.extras.items()}
+        self._set_uniform(kept, kept + self._reserve)
+        self._layout_changed()
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / select batch items (beam search, batch filtering)."""

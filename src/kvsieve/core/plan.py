@@ -27,6 +27,9 @@ class Plan:
         keep_weight: ``(segments, K)`` weight of each kept entry itself in a merge (None: its token count).
         tiers: ``(segments, K)`` precision tier of each kept entry (0: the model dtype; ``t ≥ 1``: the store's
             ``t``-th quantized tier; None: every entry stays where it is) — quantizing actions only.
+        dropped: ``(segments,)`` local index of the one entry each segment drops, when the plan keeps all but one
+            entry of every segment (``keep`` says the same; an evicting action may execute it as
+            :meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_one`); None otherwise.
     """
 
     keep: torch.Tensor
@@ -36,6 +39,7 @@ class Plan:
     merge_weight: torch.Tensor | None = None
     keep_weight: torch.Tensor | None = None
     tiers: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
 
     @property
     def merges(self) -> bool:

@@ -263,6 +263,23 @@ class LayerStep:
         self._memo[memo_key] = value
         return output
 
+    def decoding_output_from_row(self) -> torch.Tensor:
+        """A decoding query's attention output ``(batch, 1, q_heads, d)`` from its float32 softmax row over the
+        dense view (:meth:`window_rows` of one query, memoised: the row H2O and EMS accumulate, TOVA scores),
+        ``P·V`` in float32, rounded to the query's dtype. Padding
+        slots have zero probability; their values are zeroed too (a free row may hold anything)."""
+        assert self.q_len == 1
+        row = self.window_rows_unchecked(1)[:, :, 0]
+        values = self.view.values
+        if self.view.valid is not None:
+            values = values.masked_fill(~self.view.valid.unsqueeze(-1), 0.0)
+        batch, q_heads, length = row.shape
+        kv_heads = values.shape[1]
+        grouped = row.view(batch, kv_heads, q_heads // kv_heads, length)
+        # float32 product: a CPU's small bfloat16 matmul costs twice the float32 one with the conversion
+        output = torch.matmul(grouped, values.float())  # (batch, kv_heads, groups, d): each KV head's group as rows
+        return output.view(batch, 1, q_heads, values.shape[-1]).to(self.query.dtype)
+
     def window_rows_unchecked(self, window: int) -> torch.Tensor:
         allowed, self.allowed = self.allowed, None
         try:

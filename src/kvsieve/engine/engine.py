@@ -30,7 +30,7 @@ import torch
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, AppendedUpdate, LayerStep
+from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, WINDOW_ROWS, AppendedUpdate, LayerStep
 from kvsieve.engine.attention_output import first_prompt_output, held_output
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
@@ -62,6 +62,7 @@ class Engine:
         self._needs = (policy.scorer.needs() if policy.scorer is not None else frozenset()) | policy.allocator.needs()
         #: The action attends over the held entries as stored (EMS with positions expands merged centres).
         self._plain_action = type(policy.action).expanded is Action.expanded
+        self._every_row = torch.ones(0, dtype=torch.bool)  # (batch,) all True: every row fuses its decoding output
         #: Nothing to observe, plan or select at a decoding step (``full``): :meth:`_plain_decoding_step`.
         self._observes_nothing = policy.scorer is None and policy.selector is None and not policy.expand_gqa
         self._side = policy.side()
@@ -235,6 +236,11 @@ class Engine:
         step = self._append(call)
         if self._fuses_statistics(call, step):
             output = step.output_with_column_sums()
+        elif (fused_rows := self._fused_decoding_rows(call, step)) is not None:
+            output = step.decoding_output_from_row()
+            if not bool(fused_rows.all()):  # rows that do not compact now keep SDPA, as they would alone
+                plain = held_output(self.policy, self._row_configs, call, step, self._deferral.compactions > 0)
+                output = torch.where(fused_rows.to(output.device)[:, None, None, None], output, plain)
         elif self._fuses_probe_maxima(call, step):
             output = step.output_with_column_maxima()
         elif first:
@@ -265,6 +271,43 @@ class Engine:
         if budget is None:
             return bool(self.policy.ratio)
         return step.store.max_length > budget
+
+    def _fused_decoding_rows(self, call: LayerCall, step: LayerStep) -> torch.Tensor | None:
+        """The batch rows (host ``bool`` ``(batch,)``) whose decoding output is ``P·V`` from the float32 attention
+        row their scorer reads at this step; None: no row's.
+
+        A row that compacts at this decoding step (``schedule="decode"``, or ``"blockwise"``, once over its
+        limit) is scored from the new query's softmax row over its held entries: H2O's and EMS's column sums,
+        TOVA's and a window scorer's last row (:meth:`LayerStep.window_rows` of one query). Multiplying it by the
+        values gives the step's output, so the step makes no SDPA call beside it (issue 22: the statistic from
+        the attention pass). That output differs from SDPA's by float rounding, so only for the rows that
+        compact at this step, decided by each row's own length as its compaction is (a row's output never
+        depends on its neighbours); a step that compacts nothing — every step under the default prefill
+        schedule — keeps SDPA, and decoding equals plain transformers on the kept entries bit for bit. For a
+        managed layer under a layer-scope allocator, over the held entries as they are (no expanded centres, no
+        quantized tiers, no decoding selector). On any device: the row is computed anyway and ``P·V`` is one
+        small product.
+        """
+        if step.q_len != 1 or call.layer.left_alone or self._global or not self._plain_action:
+            return None
+        if self.policy.selector is not None or step.store.tiered or not self._needs & {COLUMN_SUMS, WINDOW_ROWS}:
+            return None
+        layer_idx = call.layer.layer_idx
+        if not self._plans.fires(layer_idx, step):
+            return None
+        limit = self.policy.schedule.row_limit(True, self._plans.layer_budget(layer_idx))
+        if limit is None:
+            return None
+        store = step.store
+        if store.is_uniform:
+            return self._all_rows(store.batch) if store.max_length > limit else None
+        rows = store.lengths().amax(dim=1) > limit  # host: no device read
+        return rows if bool(rows.any()) else None
+
+    def _all_rows(self, batch: int) -> torch.Tensor:
+        if self._every_row.shape[0] != batch:
+            self._every_row = torch.ones(batch, dtype=torch.bool)
+        return self._every_row
 
     def _fuses_probe_maxima(self, call: LayerCall, step: LayerStep) -> bool:
         """Whether a probe forward's output comes from the pass that also computes the column maxima (KVzip).

@@ -11,6 +11,9 @@ import torch
 from kvsieve.core.plan import Plan
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.parts.actions.base import Action
+from kvsieve.parts.allocators.base import Allocator
+from kvsieve.parts.scorers.base import Scorer
 from kvsieve.policies.policy import Policy
 
 
@@ -22,6 +25,13 @@ class LayerPlans:
         self.info = info
         self._budget_spec = policy.budget_spec
         self._window = self._budget_spec.window
+        allocator, action = type(policy.allocator), type(policy.action)
+        #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
+        #: :meth:`_drop_one`'s nominal budgets, offsets and host counts, for the layout it last planned
+        self._drop_tables: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] = (
+            None, torch.empty(0), torch.empty(0), torch.empty(0))
+        self._drops_one = (policy.budget is not None and allocator.allocate is Allocator.allocate
+                           and allocator.nominal is Allocator.nominal and action.plan is Action.plan)
 
     def layer_budget(self, layer_idx: int) -> int | None:
         """The layer's budget (entries per head) under the allocator; None without a fixed budget."""
@@ -53,6 +63,10 @@ class LayerPlans:
         """Score, allocate and plan one layer; None when every entry is kept."""
         scorer = self.policy.scorer
         assert scorer is not None
+        if self._one_over(layer_idx, step):
+            plan = self._drop_one(layer_idx, step)
+            if plan is not None:
+                return plan
         lengths, nominal = self.nominal(layer_idx, step)
         scores = scorer.score(step, nominal)
         counts = self.policy.allocator.allocate(scores, nominal, lengths)
@@ -62,3 +76,48 @@ class LayerPlans:
         if bool((counts >= lengths).all()):
             return None
         return self.policy.action.plan(scores, counts, step)
+
+    def _one_over(self, layer_idx: int, step: LayerStep) -> bool:
+        """Whether every head of this decoding step holds exactly one entry over its layer's budget, in a uniform
+        store without padding (every-step decoding eviction: ``h2o``/``tova`` with ``schedule="decode"``)."""
+        if not (self._drops_one and step.is_decoding and step.q_len == 1 and step.store.is_uniform):
+            return False
+        budget = self.layer_budget(layer_idx)
+        limit = self.policy.schedule.row_limit(True, budget)
+        return (budget is not None and step.store.max_length == budget + 1 and (limit is None or limit <= budget)
+                and step.view.valid is None)
+
+    def _drop_one(self, layer_idx: int, step: LayerStep) -> Plan | None:
+        """The plan keeping all but each head's lowest-scoring entry, from one ``min``: what the uniform allocator
+        and :meth:`Action.plan <kvsieve.parts.actions.base.Action.plan>` (top ``budget`` of ``budget + 1``) give
+        whenever that lowest score is unique, without top-k, sort and the count arithmetic. A scorer whose
+        protection is only its newest entries (:meth:`Scorer.kept_newest`) is read raw, the minimum taken over
+        the older entries (no protection pass). None (the general path decides) when some head's lowest score is
+        tied — which of equal scores goes is then top-k's choice, kept as it is — or every entry is protected.
+        """
+        scorer = self.policy.scorer
+        assert scorer is not None
+        budget = self.layer_budget(layer_idx)
+        assert budget is not None
+        batch, heads, length = step.store.batch, step.store.heads, step.store.max_length
+        newest = scorer.kept_newest(budget) if type(scorer).score is Scorer.score else None
+        key = (batch, heads, length, budget, newest, step.query.device)
+        if self._drop_tables[0] != key:
+            device = step.query.device
+            nominal = torch.full((batch, heads), budget, dtype=torch.long, device=device)
+            offsets = torch.arange(length - 1, device=device)
+            counts = torch.full((batch * heads,), length - 1, dtype=torch.long)
+            self._drop_tables = (key, nominal, offsets, counts)
+        _, nominal, offsets, counts = self._drop_tables
+        if newest is None:
+            candidates = scorer.score(step, nominal)
+        elif newest < length:  # the unprotected entries (kept_newest's contract: their raw scores are not +inf)
+            candidates = scorer.raw(step, nominal)[..., : length - newest]
+        else:
+            return None
+        lowest, dropped = candidates.min(dim=-1)
+        if bool(((candidates == lowest[..., None]).sum(dim=-1) != 1).any()):  # one host read, as the general path's
+            return None  # a tie for the lowest score (all protected; NaN): top-k's choice, the general path
+        dropped = dropped.reshape(-1)
+        keep = offsets[None, :] + (offsets[None, :] >= dropped[:, None])
+        return Plan(keep, counts.clone(), dropped=dropped)

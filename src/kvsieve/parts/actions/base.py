@@ -41,7 +41,10 @@ class Action(Part):
         return Plan(top_entries(scores, counts, int(host.max()) if host.numel() else 0), host)
 
     def apply(self, store: LayerStore, plan: Plan) -> None:
-        store.keep(plan.keep, plan.counts)
+        if plan.dropped is not None and store.is_uniform and not store.tiered:
+            store.drop_one(plan.dropped)  # the same entries kept, with one index built from the dropped ones
+        else:
+            store.keep(plan.keep, plan.counts)
 
     def expanded(self, step: LayerStep) -> tuple[torch.Tensor, ...] | None:
         """A runtime view to attend to instead of the held entries (EMS w. pos); None: the held entries.

@@ -107,6 +107,13 @@ class Scorer(Part):
     def score(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         return self.protect(self.raw(step, nominal), step, nominal)
 
+    def kept_newest(self, budget: int) -> int | None:
+        """How many newest entries :meth:`protect` sets to ``+inf`` when every head's nominal budget is ``budget``
+        and nothing is padding, if that is all it does and :meth:`raw` never gives ``+inf`` (then an engine may take
+        the lowest raw score among the older entries instead of protecting); None otherwise (sinks...). Default: the
+        :meth:`protected_window` of the base :meth:`protect`; a subclass overriding :meth:`protect` says its own."""
+        return self.protected_window() if type(self).protect is Scorer.protect else None
+
     def bind(self, model: torch.nn.Module) -> Scorer:
         """This scorer ready for ``model`` (learned scorers load their weights here; default: itself)."""
         return self

@@ -47,5 +47,8 @@ class AccumulatedAttention(Scorer):
         recent = (nominal.double() * self.recent_ratio).long().to(scores.device)
         return protect_recent(scores, step, recent)
 
+    def kept_newest(self, budget: int) -> int | None:
+        return int(budget * self.recent_ratio)  # as protect's float64 product, floored
+
 
 PRESETS = (Preset("h2o", "accumulated attention of all queries + a recent half", scorer=AccumulatedAttention()),)
