@@ -27,9 +27,8 @@ class LayerPlans:
         self._window = self._budget_spec.window
         allocator, action = type(policy.allocator), type(policy.action)
         #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
-        #: :meth:`_drop_one`'s nominal budgets, offsets and host counts, for the layout it last planned
-        self._drop_tables: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] = (
-            None, torch.empty(0), torch.empty(0), torch.empty(0))
+        #: :meth:`_drop_one`'s nominal budgets, offsets and host counts per (layout, budget, protection, device)
+        self._drop_tables: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._drops_one = (policy.budget is not None and allocator.allocate is Allocator.allocate
                            and allocator.nominal is Allocator.nominal and action.plan is Action.plan)
 
@@ -102,13 +101,17 @@ class LayerPlans:
         batch, heads, length = step.store.batch, step.store.heads, step.store.max_length
         newest = scorer.kept_newest(budget) if type(scorer).score is Scorer.score else None
         key = (batch, heads, length, budget, newest, step.query.device)
-        if self._drop_tables[0] != key:
+        tables = self._drop_tables.get(key)
+        if tables is None:
             device = step.query.device
-            nominal = torch.full((batch, heads), budget, dtype=torch.long, device=device)
-            offsets = torch.arange(length - 1, device=device)
-            counts = torch.full((batch * heads,), length - 1, dtype=torch.long)
-            self._drop_tables = (key, nominal, offsets, counts)
-        _, nominal, offsets, counts = self._drop_tables
+            if len(self._drop_tables) >= 64:  # layer budgets (a pyramid) make one key per layer; lengths change rarely
+                self._drop_tables.clear()
+            tables = self._drop_tables[key] = (
+                torch.full((batch, heads), budget, dtype=torch.long, device=device),
+                torch.arange(length - 1, device=device),
+                torch.full((batch * heads,), length - 1, dtype=torch.long),
+            )
+        nominal, offsets, counts = tables
         if newest is None:
             candidates = scorer.score(step, nominal)
         elif newest < length:  # the unprotected entries (kept_newest's contract: their raw scores are not +inf)
