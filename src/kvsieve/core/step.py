@@ -266,8 +266,8 @@ class LayerStep:
     def decoding_output_from_row(self) -> torch.Tensor:
         """A decoding query's attention output ``(batch, 1, q_heads, d)`` from its float32 softmax row over the
         dense view (:meth:`window_rows` of one query, memoised: the row H2O and EMS accumulate, TOVA scores),
-        ``P·V`` in float32, rounded to the query's dtype. Padding
-        slots have zero probability; their values are zeroed too (a free row may hold anything)."""
+        ``P·V`` in float32, rounded to the query's dtype. Padding slots have zero probability; their values are
+        zeroed too (a free row may hold anything)."""
         assert self.q_len == 1
         row = self.window_rows_unchecked(1)[:, :, 0]
         values = self.view.values

@@ -26,9 +26,9 @@ class LayerPlans:
         self._budget_spec = policy.budget_spec
         self._window = self._budget_spec.window
         allocator, action = type(policy.allocator), type(policy.action)
-        #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
         #: :meth:`_drop_one`'s nominal budgets, offsets and host counts per (layout, budget, protection, device)
         self._drop_tables: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
         self._drops_one = (policy.budget is not None and allocator.allocate is Allocator.allocate
                            and allocator.nominal is Allocator.nominal and action.plan is Action.plan)
 
