@@ -144,7 +144,8 @@ class StoreCompaction(StoreLayout):
     def _keep_uniform(self, local_index: torch.Tensor, kept: int) -> torch.Tensor:
         """:meth:`keep` of a uniform store where every segment keeps ``kept`` entries: the layout stays uniform
         (``kept`` entries and the reserved rows per segment, which repeat the last kept one), one gather per
-        buffer and no host work beyond the layout's two ints (every-step decoding eviction takes this path)."""
+        buffer and no host work beyond the layout's two ints (every-step decoding eviction's steady state takes
+        :meth:`drop_one` instead; this path when its plan came from the general path)."""
         assert self._uniform is not None
         cap = self._uniform[1]
         local = local_index.to(self.device)
