@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.attention.kernel import attend, causal_mask, output_mask
+from kvsieve.attention.kernel import AttentionForm, attend, causal_mask, output_mask
 from kvsieve.attention.masks import dense_causal_mask
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.core.selection import Selection
@@ -122,10 +122,14 @@ def packs_decoding_query(step: LayerStep) -> bool:
     Only for a cache that has compacted something (the caller's ``compressed``): until then it holds what
     transformers' cache would and keeps transformers' call, bit for bit (``full``, a budget above the prompt).
     """
-    query = step.query
-    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) or step.groups == 1:
+    return packs_query(step.query, step.form, step.kv_heads)
+
+
+def packs_query(query: torch.Tensor, form: AttentionForm | None, kv_heads: int) -> bool:
+    """:func:`packs_decoding_query` from the query ``(batch, q_heads, 1, d)``, the attention form and the KV heads."""
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) or query.shape[1] == kv_heads:
         return False
-    return step.form is None or not step.form.explicit
+    return form is None or not form.explicit
 
 
 def packed_decoding_output(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -25,13 +25,15 @@ The engine never imports the cache module: layers are duck-typed (:class:`LayerS
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, WINDOW_ROWS, AppendedUpdate, LayerStep
-from kvsieve.engine.attention_output import first_prompt_output, held_output
+from kvsieve.engine.attention_output import first_prompt_output, held_output, packed_decoding_output, packs_query
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
 from kvsieve.engine.layer_call import LayerCall, LayerState
@@ -40,6 +42,7 @@ from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.actions.base import Action
+from kvsieve.parts.scorers.base import Scorer
 from kvsieve.policies.policy import Policy
 from kvsieve.transformers_adapter import sdpa_attention
 
@@ -65,6 +68,15 @@ class Engine:
         self._every_row = torch.ones(0, dtype=torch.bool)  # (batch,) all True: every row fuses its decoding output
         #: Nothing to observe, plan or select at a decoding step (``full``): :meth:`_plain_decoding_step`.
         self._observes_nothing = policy.scorer is None and policy.selector is None and not policy.expand_gqa
+        #: ... or whose scorer observes nothing and whose schedule never compacts at a decoding step (every
+        #: prefill-schedule policy: snapkv, pyramidkv, restkv, ...): a decoding step only appends and attends.
+        scorer = policy.scorer
+        self._decodes_plainly = self._observes_nothing or (
+            policy.selector is None and not policy.expand_gqa and scorer is not None
+            and type(scorer).observe is Scorer.observe and not getattr(scorer, "RECONSTRUCTS", False)
+            and not policy.schedule.fires(True, sys.maxsize, 0)
+            and not policy.schedule.fires_total(True, sys.maxsize, 0, 1)
+        )
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
@@ -160,7 +172,7 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
-        if q_len == 1 and self._observes_nothing and sliding_window is None and not form.explicit:
+        if q_len == 1 and self._decodes_plainly and sliding_window is None and not form.explicit:
             output = self._plain_decoding_step(layer, module, query, new_keys, new_values, attention_mask, form)
             if output is not None:
                 return output
@@ -178,11 +190,13 @@ class Engine:
         self, layer: LayerState, module: torch.nn.Module, query: torch.Tensor, new_keys: torch.Tensor,
         new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
     ) -> torch.Tensor | None:
-        """A decoding step of a policy that neither observes nor compacts (``full``): append in place and call
-        transformers' SDPA over the held entries — what :meth:`_step` does for it (no scorer to observe, no plan,
-        no selector, nothing compacted so never the packed call), without describing the step first. None (the
-        general step runs instead) unless the store is uniform, holds entries, keeps no side data, hooks or tiers,
-        and the new token is real in every row. Equality with the general step is tested bit for bit."""
+        """A decoding step of a policy that neither observes nor compacts while decoding (``full``, and every
+        prefill-schedule policy whose scorer observes nothing: ``snapkv``, ``pyramidkv``, ``restkv``...): append
+        in place and attend over the held entries — what :meth:`_step` does for it (nothing to observe, no plan,
+        no selector; transformers' SDPA call, or the packed call once the cache has compacted something, as
+        :func:`~kvsieve.engine.attention_output.packs_decoding_query` decides), without describing the step first.
+        None (the general step runs instead) unless the store is uniform, holds entries, keeps no side data, hooks
+        or tiers, and the new token is real in every row. Equality with the general step is tested bit for bit."""
         store = layer.store
         assert store is not None
         seen = layer.seen
@@ -194,6 +208,8 @@ class Engine:
         layer.forwards += 1
         layer.take_layer_inputs()
         keys, values = store.held_views()
+        if self._deferral.compactions > 0 and packs_query(query, form, keys.shape[1]):
+            return packed_decoding_output(query, keys, values, form.scaling)
         return sdpa_attention(module, query, keys, values, None, form.scaling)
 
     def observe_only(
