@@ -50,7 +50,7 @@ def test_a_compressed_layer_decodes_packed_and_as_the_grouped_call(model, monkey
     monkeypatch.setattr(attention_output, "packed_decoding_output", lambda *a: calls.append(1) or original(*a))
     packed = greedy(model, kvsieve.KVCache(model, "snapkv", budget=12, window=4), ids)
     assert calls  # the compressed layers decoded packed
-    monkeypatch.setattr(attention_output, "packs_decoding_query", lambda step: False)
+    monkeypatch.setattr(attention_output, "packs_query", lambda *args: False)
     grouped = greedy(model, kvsieve.KVCache(model, "snapkv", budget=12, window=4), ids)
     torch.testing.assert_close(packed, grouped, atol=0.05, rtol=0.02)  # bfloat16 rounding of two SDPA kernels
 

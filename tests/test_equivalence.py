@@ -294,3 +294,56 @@ def test_full_decoding_step_takes_the_plain_path_and_equals_the_general_step(arc
     assert torch.equal(fast_seq, general_seq)
     for fast, general in zip(fast_logits, general_logits, strict=True):
         assert torch.equal(fast, general)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("policy", "params"), [
+    ("snapkv", {"budget": 12, "window": 4}), ("tova", {"budget": 12}), ("restkv", {"budget": 12, "window": 4}),
+    ("adakv", {"budget": 12, "window": 4}),
+])
+def test_prefill_schedule_decoding_takes_the_plain_path_and_equals_the_general_step(
+        arch, fresh_model, dtype, policy, params, monkeypatch):
+    """A prefill-schedule policy whose scorer observes nothing decodes its compacted cache through the plain step
+    (transformers' call, or the packed call in bfloat16 once compacted): bit for bit the general step."""
+    from kvsieve.engine.engine import Engine
+
+    model = fresh_model(arch).to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=5)
+    original = Engine._plain_decoding_step
+    taken: list[bool] = []
+
+    def counted(self, *args):
+        output = original(self, *args)
+        taken.append(output is not None)
+        return output
+
+    monkeypatch.setattr(Engine, "_plain_decoding_step", counted)
+    cache = kvsieve.KVCache(model, policy, **params)
+    with kvsieve_warnings():
+        fast_seq, fast_logits = generate(model, ids, cache, STEPS)
+    assert int(cache.head_lengths()[managed_layers(cache)].max()) < PROMPT_LEN  # compacted at the prompt
+    plain_layers = [layer for layer in cache.layers if layer.store.is_uniform or (
+        layer.store.is_padded and layer.store.length_groups() is None)]
+    assert sum(taken) == (STEPS - 1) * (len(plain_layers) - len(sliding_layers(cache))) > 0
+    if policy == "adakv":  # heads of different lengths: padded layouts decode through the plain step too
+        assert any(layer.store.is_padded for layer in plain_layers)
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
+    with kvsieve_warnings():
+        general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, policy, **params), STEPS)
+    assert torch.equal(fast_seq, general_seq)
+    for fast, general in zip(fast_logits, general_logits, strict=True):
+        assert torch.equal(fast, general)
+
+
+def test_a_policy_that_observes_or_compacts_while_decoding_takes_the_general_step(fresh_model, monkeypatch):
+    from kvsieve.engine.engine import Engine
+
+    model = fresh_model("llama")
+    calls: list[bool] = []
+    original = Engine._plain_decoding_step
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: calls.append(True) or original(self, *args))
+    for policy, params in (("h2o", {"budget": 12}), ("tova", {"budget": 12, "schedule": "decode"}),
+                           ("snapkv", {"budget": 12, "window": 4, "selector": "quest"})):
+        with kvsieve_warnings():
+            generate(model, prompt(batch=1, length=PROMPT_LEN, seed=6), kvsieve.KVCache(model, policy, **params), 3)
+    assert calls == []

@@ -33,7 +33,8 @@ from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, WINDOW_ROWS, AppendedUpdate, LayerStep
-from kvsieve.engine.attention_output import first_prompt_output, held_output, packed_decoding_output, packs_query
+from kvsieve.engine import attention_output
+from kvsieve.engine.attention_output import first_prompt_output, held_output
 from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
 from kvsieve.engine.layer_call import LayerCall, LayerState
@@ -195,21 +196,30 @@ class Engine:
         in place and attend over the held entries — what :meth:`_step` does for it (nothing to observe, no plan,
         no selector; transformers' SDPA call, or the packed call once the cache has compacted something, as
         :func:`~kvsieve.engine.attention_output.packs_decoding_query` decides), without describing the step first.
-        None (the general step runs instead) unless the store is uniform, holds entries, keeps no side data, hooks
-        or tiers, and the new token is real in every row. Equality with the general step is tested bit for bit."""
+        A padded layout (AdaKV's heads of similar lengths) attends over views of its buffers with its additive
+        mask, as the general step does. None (the general step runs instead) unless the store is uniform or padded
+        (not strided, grouped or compact), holds entries, keeps no side data, hooks or tiers, and the new token is
+        real in every row. Equality with the general step is tested bit for bit."""
         store = layer.store
         assert store is not None
         seen = layer.seen
-        if self.probe is not None or seen == 0 or not store.is_uniform or store.extras or store.hooks \
-                or store.tiers or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
+        if self.probe is not None or seen == 0 or store.extras or store.hooks or store.tiers:
+            return None
+        padded = not store.is_uniform
+        if padded and not (store.is_padded and store.dtype == query.dtype and store.length_groups() is None):
+            return None  # strided runs, length groups or a compact layout: the general step's own paths
+        if self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1
         layer.take_layer_inputs()
+        if padded:  # heads of similar lengths in equal capacities: views of the buffers and the additive mask
+            keys, values, mask = store.padded_decoding_views()
+            return attention_output.packed_decoding_output(query, keys, values, form.scaling, mask)
         keys, values = store.held_views()
-        if self._deferral.compactions > 0 and packs_query(query, form, keys.shape[1]):
-            return packed_decoding_output(query, keys, values, form.scaling)
+        if self._deferral.compactions > 0 and attention_output.packs_query(query, form, keys.shape[1]):
+            return attention_output.packed_decoding_output(query, keys, values, form.scaling)
         return sdpa_attention(module, query, keys, values, None, form.scaling)
 
     def observe_only(
