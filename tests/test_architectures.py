@@ -153,7 +153,7 @@ def _record_statistics(monkeypatch: pytest.MonkeyPatch) -> dict[int, list]:
         return original(self, call, step)
 
     monkeypatch.setattr(Engine, "_after_output", spy)
-    # ``full`` decodes through the plain step, which describes nothing; a scorer's policy never takes it
+    # ``full`` and prefill-schedule policies decode through the plain step, which describes nothing: off here
     monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
     return seen
 
