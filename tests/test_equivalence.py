@@ -322,11 +322,9 @@ def test_prefill_schedule_decoding_takes_the_plain_path_and_equals_the_general_s
     with kvsieve_warnings():
         fast_seq, fast_logits = generate(model, ids, cache, STEPS)
     assert int(cache.head_lengths()[managed_layers(cache)].max()) < PROMPT_LEN  # compacted at the prompt
-    plain_layers = [layer for layer in cache.layers if layer.store.is_uniform or (
-        layer.store.is_padded and layer.store.length_groups() is None)]
-    assert sum(taken) == (STEPS - 1) * (len(plain_layers) - len(sliding_layers(cache))) > 0
-    if policy == "adakv":  # heads of different lengths: padded layouts decode through the plain step too
-        assert any(layer.store.is_padded for layer in plain_layers)
+    assert sum(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
+    if policy == "adakv":  # heads of different lengths: ragged layouts decode through the plain step too
+        assert any(not layer.store.is_uniform for layer in cache.layers)
     monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
     with kvsieve_warnings():
         general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, policy, **params), STEPS)
@@ -347,3 +345,35 @@ def test_a_policy_that_observes_or_compacts_while_decoding_takes_the_general_ste
         with kvsieve_warnings():
             generate(model, prompt(batch=1, length=PROMPT_LEN, seed=6), kvsieve.KVCache(model, policy, **params), 3)
     assert calls == []
+
+
+@pytest.mark.parametrize("layout", ["padded", "compact", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_model, layout, dtype, monkeypatch):
+    """adakv's ragged heads laid out padded, compact (one dense view per step) or in strided runs (forced): the plain
+    decoding step gives the general step's logits bit for bit."""
+    from kvsieve.cache.store_compaction import StoreCompaction
+    from kvsieve.engine.engine import Engine
+
+    def two_runs(self, counts):
+        if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
+            return None
+        order = torch.argsort(counts, stable=True).tolist()
+        return (tuple(sorted(order[: len(order) // 2])), tuple(sorted(order[len(order) // 2 :])))
+
+    monkeypatch.setattr(StoreCompaction, "pads", lambda self, counts, on=layout == "padded": on)
+    monkeypatch.setattr(StoreCompaction, "plan_runs", two_runs if layout == "strided" else lambda self, counts: None)
+    model = fresh_model("llama").to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=7)
+    params = {"budget": 12, "window": 4}
+    cache = kvsieve.KVCache(model, "adakv", **params)
+    fast_seq, fast_logits = generate(model, ids, cache, STEPS)
+    kinds = {"padded": "is_padded", "strided": "runs", "compact": None}
+    ragged = [layer.store for layer in cache.layers if not layer.store.is_uniform]
+    assert ragged and all(
+        (not s.is_padded and s.runs is None) if kinds[layout] is None else getattr(s, kinds[layout]) for s in ragged)
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
+    general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, "adakv", **params), STEPS)
+    assert torch.equal(fast_seq, general_seq)
+    for fast, general in zip(fast_logits, general_logits, strict=True):
+        assert torch.equal(fast, general)

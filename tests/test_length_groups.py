@@ -117,7 +117,7 @@ def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, 
     assert planned is not None and len(planned) >= 2
     assert (step.store.runs is not None) == strided
     assert all((group.base is not None) == strided for group, _ in planned)
-    grouped = grouped_decode_output(step, planned)
+    grouped = grouped_decode_output(step.store, step.query, step.scaling, planned)
     padded = all_entries_output(step, step.module, None, None, step.view)  # the padded view, explicitly
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
     assert torch.equal(all_entries_output(step, step.module, None, None), grouped)  # the engine's choice
@@ -137,7 +137,7 @@ def test_strided_runs_views_follow_the_buffers_when_they_grow():
         planned = store.length_groups()
         assert planned is not None and store.runs is not None
         before = store.keys
-        torch.testing.assert_close(grouped_decode_output(step, planned),
+        torch.testing.assert_close(grouped_decode_output(step.store, step.query, step.scaling, planned),
                                    all_entries_output(step, step.module, None, None, store.dense()),
                                    atol=1e-6, rtol=1e-5)
         views = store.run_views()
@@ -198,7 +198,7 @@ def test_long_heads_are_attended_in_place_and_as_the_padded_view(monkeypatch):
         monkeypatch.setattr(length_groups, "IN_PLACE_LENGTH", in_place)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                             lambda *a, calls=calls, **k: calls.append(1) or sdpa(*a, **k))
-        grouped = grouped_decode_output(step, planned)
+        grouped = grouped_decode_output(step.store, step.query, step.scaling, planned)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
         assert len(calls) == expected_calls
         torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
@@ -253,7 +253,7 @@ def test_long_heads_are_split_across_threads_in_the_grouped_step(monkeypatch, st
     calls: list[int] = []
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append(1) or sdpa(*a, **k))
-    grouped = grouped_decode_output(step, planned)
+    grouped = grouped_decode_output(step.store, step.query, step.scaling, planned)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     assert len(calls) == 1
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)

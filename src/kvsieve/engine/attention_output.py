@@ -15,6 +15,7 @@ import torch
 from kvsieve.attention.kernel import AttentionForm, attend, causal_mask, output_mask
 from kvsieve.attention.masks import dense_causal_mask
 from kvsieve.cache.dense_view import DenseView
+from kvsieve.cache.store import LayerStore
 from kvsieve.core.selection import Selection
 from kvsieve.core.step import LayerStep
 from kvsieve.engine.grouped_decode import grouped_decode_output
@@ -85,16 +86,9 @@ def all_entries_output(
     store passes its cheaper unordered :meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`)."""
     if view is None:
         if step.is_decoding and sliding_window is None and bias is None and not (step.form and step.form.explicit):
-            store = step.store
-            groups = store.length_groups()  # ragged heads of very different lengths: group by length
-            if groups is not None:
-                return grouped_decode_output(step, groups)
-            if store.is_padded and not store.tiers and store.dtype == step.query.dtype:
-                # a padded layout: its buffers and the additive validity mask it keeps, viewed in place (no dense
-                # view, and no boolean mask for SDPA to convert at every call); what the packed masked call below
-                # computes from the dense view
-                keys, values, mask = store.padded_decoding_views()
-                return packed_decoding_output(step.query, keys, values, step.scaling, mask)
+            output = ragged_decoding_output(step.store, step.query, step.scaling)
+            if output is not None:
+                return output
         view = step.view
     if step.is_decoding and view.valid is None and sliding_window is None and bias is None:
         if compressed and packs_decoding_query(step):
@@ -110,6 +104,20 @@ def all_entries_output(
         step.query.dtype, newest_query=step.is_decoding,
     )
     return attend(module, step.query, view.keys, view.values, mask, step.form)
+
+
+def ragged_decoding_output(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """A decoding query's output over a ragged layout read in place: by length group (strided runs included) or, for
+    a padded layout, over its buffers with the additive validity mask it keeps (no dense view, and no boolean mask
+    for SDPA to convert at every call; what :func:`all_entries_output`'s packed masked call computes from the dense
+    view). None for a uniform or compact layout (and a padded one in another dtype or with tiers)."""
+    groups = store.length_groups()  # ragged heads of very different lengths: group by length
+    if groups is not None:
+        return grouped_decode_output(store, query, scaling, groups)
+    if store.is_padded and not store.tiers and store.dtype == query.dtype:
+        keys, values, mask = store.padded_decoding_views()
+        return packed_decoding_output(query, keys, values, scaling, mask)
+    return None
 
 
 def packs_decoding_query(step: LayerStep) -> bool:

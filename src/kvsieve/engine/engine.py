@@ -196,27 +196,28 @@ class Engine:
         in place and attend over the held entries — what :meth:`_step` does for it (nothing to observe, no plan,
         no selector; transformers' SDPA call, or the packed call once the cache has compacted something, as
         :func:`~kvsieve.engine.attention_output.packs_decoding_query` decides), without describing the step first.
-        A padded layout (AdaKV's heads of similar lengths) attends over views of its buffers with its additive
-        mask, as the general step does. None (the general step runs instead) unless the store is uniform or padded
-        (not strided, grouped or compact), holds entries, keeps no side data, hooks or tiers, and the new token is
-        real in every row. Equality with the general step is tested bit for bit."""
+        Ragged heads (AdaKV) attend as the general step does: strided runs and length groups in place, a padded
+        layout over its buffers with its additive mask, a compact one through one dense view. None (the general
+        step runs instead) unless the store holds entries and keeps no side data, hooks or tiers, and the new token
+        is real in every row. Equality with the general step is tested bit for bit."""
         store = layer.store
         assert store is not None
         seen = layer.seen
-        if self.probe is not None or seen == 0 or store.extras or store.hooks or store.tiers:
-            return None
-        padded = not store.is_uniform
-        if padded and not (store.is_padded and store.dtype == query.dtype and store.length_groups() is None):
-            return None  # strided runs, length groups or a compact layout: the general step's own paths
-        if self._token_valid(self._padding(attention_mask), seen, 1) is not None:
+        if self.probe is not None or seen == 0 or store.extras or store.hooks or store.tiers \
+                or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1
         layer.take_layer_inputs()
-        if padded:  # heads of similar lengths in equal capacities: views of the buffers and the additive mask
-            keys, values, mask = store.padded_decoding_views()
-            return attention_output.packed_decoding_output(query, keys, values, form.scaling, mask)
+        if not store.is_uniform:  # ragged heads: read in place where the layout allows, else one dense view
+            output = attention_output.ragged_decoding_output(store, query, form.scaling)
+            if output is None:
+                view = store.dense()
+                output = attention_output.packed_decoding_output(query, view.keys, view.values, form.scaling,
+                                                                 view.valid)
+                store.release_views()  # the gathered view lives for this step only, as after the general step
+            return output
         keys, values = store.held_views()
         if self._deferral.compactions > 0 and attention_output.packs_query(query, form, keys.shape[1]):
             return attention_output.packed_decoding_output(query, keys, values, form.scaling)

@@ -22,18 +22,17 @@ import torch
 from kvsieve.attention.kernel import split_decoding_attention
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
-from kvsieve.core.step import LayerStep
+from kvsieve.cache.store import LayerStore
 
 
-def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]) -> torch.Tensor:
+def grouped_decode_output(store: LayerStore, query: torch.Tensor, scaling: float,
+                          groups: list[tuple[LengthGroup, int]]) -> torch.Tensor:
     """Attention output ``(batch, 1, q_heads, d)`` of a decoding query over every held entry, by length group."""
-    store, query = step.store, step.query
     batch, q_heads, _, dim = query.shape
     per_head = q_heads // store.heads  # query heads per stored head
     queries = query.reshape(store.segments, per_head, dim)
-    scaling = step.form.scaling if step.form is not None else step.scaling
     if groups[0][0].base is not None:  # strided runs (a layout's groups are all runs or none)
-        return _runs_output(step, groups, queries, scaling).view(batch, 1, q_heads, dim)
+        return _runs_output(store, groups, queries, scaling).view(batch, 1, q_heads, dim)
     output = torch.empty(store.segments, per_head, dim, dtype=query.dtype, device=query.device)
     lengths: list[int] = []
     starts: list[int] = []
@@ -62,14 +61,14 @@ def grouped_decode_output(step: LayerStep, groups: list[tuple[LengthGroup, int]]
     return output.view(batch, 1, q_heads, dim)
 
 
-def _runs_output(step: LayerStep, groups: list[tuple[LengthGroup, int]], queries: torch.Tensor, scaling: float
+def _runs_output(store: LayerStore, groups: list[tuple[LengthGroup, int]], queries: torch.Tensor, scaling: float
                  ) -> torch.Tensor:
     """Attention output ``(segments, per_head, d)`` of a layout cut into strided runs: each run one SDPA call over
     its zero-copy view — narrowed to its width where its members hold as many entries (a run of one head of at least
     ``SPLIT_DECODING_LENGTH`` entries: split across the threads), else whole with its rows' validity (the slack rows
     are invalid: masked, a few more slots instead of three views per step) — the queries put in run order and the
     outputs back in segment order with one index each (none where the runs lie in segment order)."""
-    views = step.store.run_views()
+    views = store.run_views()
     per_head, dim = queries.shape[1], queries.shape[2]
     if views.order is not None:
         queries = queries.index_select(0, views.order)
