@@ -268,14 +268,11 @@ def test_multi_turn_generate_full_matches_sdpa(arch, model, ref_model):
     assert cache.get_seq_length() == dyn.get_seq_length() == 20 + 5 + 7 + 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_full_decoding_step_takes_the_plain_path_and_equals_the_general_step(arch, fresh_model, dtype, monkeypatch):
-    """``full`` decodes through :meth:`Engine._plain_decoding_step` (append in place, transformers' SDPA call) on
-    its uniform layers: bit for bit what the general step (describe, attend, observe, plan) gives it."""
+def _plain_step_equals_general(model, ids, make_cache, monkeypatch) -> tuple[list[bool], kvsieve.KVCache]:
+    """Generate with the plain decoding step (recording, per decoding forward of a layer, whether it served it), then
+    with it switched off (the general step), and check the two bit for bit; the plain run's calls and cache."""
     from kvsieve.engine.engine import Engine
 
-    model = fresh_model(arch).to(dtype)
-    ids = prompt(batch=2, length=PROMPT_LEN, seed=4)
     original = Engine._plain_decoding_step
     taken: list[bool] = []
 
@@ -285,15 +282,27 @@ def test_full_decoding_step_takes_the_plain_path_and_equals_the_general_step(arc
         return output
 
     monkeypatch.setattr(Engine, "_plain_decoding_step", counted)
-    cache = kvsieve.KVCache(model, "full")
-    fast_seq, fast_logits = generate(model, ids, cache, STEPS)
-    # every decoding forward of every layer but the sliding-window ones (they take the general step) ran it
-    assert all(taken) and len(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
+    cache = make_cache()
+    with kvsieve_warnings():
+        fast_seq, fast_logits = generate(model, ids, cache, STEPS)
     monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
-    general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, "full"), STEPS)
+    with kvsieve_warnings():
+        general_seq, general_logits = generate(model, ids, make_cache(), STEPS)
     assert torch.equal(fast_seq, general_seq)
     for fast, general in zip(fast_logits, general_logits, strict=True):
         assert torch.equal(fast, general)
+    return taken, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_decoding_step_takes_the_plain_path_and_equals_the_general_step(arch, fresh_model, dtype, monkeypatch):
+    """``full`` decodes through :meth:`Engine._plain_decoding_step` (append in place, transformers' SDPA call) on
+    its uniform layers: bit for bit what the general step (describe, attend, observe, plan) gives it."""
+    model = fresh_model(arch).to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=4)
+    taken, cache = _plain_step_equals_general(model, ids, lambda: kvsieve.KVCache(model, "full"), monkeypatch)
+    # every decoding forward of every layer but the sliding-window ones (they take the general step) ran it
+    assert all(taken) and len(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -305,32 +314,14 @@ def test_prefill_schedule_decoding_takes_the_plain_path_and_equals_the_general_s
         arch, fresh_model, dtype, policy, params, monkeypatch):
     """A prefill-schedule policy whose scorer observes nothing decodes its compacted cache through the plain step
     (transformers' call, or the packed call in bfloat16 once compacted): bit for bit the general step."""
-    from kvsieve.engine.engine import Engine
-
     model = fresh_model(arch).to(dtype)
     ids = prompt(batch=2, length=PROMPT_LEN, seed=5)
-    original = Engine._plain_decoding_step
-    taken: list[bool] = []
-
-    def counted(self, *args):
-        output = original(self, *args)
-        taken.append(output is not None)
-        return output
-
-    monkeypatch.setattr(Engine, "_plain_decoding_step", counted)
-    cache = kvsieve.KVCache(model, policy, **params)
-    with kvsieve_warnings():
-        fast_seq, fast_logits = generate(model, ids, cache, STEPS)
+    taken, cache = _plain_step_equals_general(model, ids, lambda: kvsieve.KVCache(model, policy, **params),
+                                              monkeypatch)
     assert int(cache.head_lengths()[managed_layers(cache)].max()) < PROMPT_LEN  # compacted at the prompt
     assert sum(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
     if policy == "adakv":  # heads of different lengths: ragged layouts decode through the plain step too
         assert any(not layer.store.is_uniform for layer in cache.layers)
-    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
-    with kvsieve_warnings():
-        general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, policy, **params), STEPS)
-    assert torch.equal(fast_seq, general_seq)
-    for fast, general in zip(fast_logits, general_logits, strict=True):
-        assert torch.equal(fast, general)
 
 
 def test_a_policy_that_observes_or_compacts_while_decoding_takes_the_general_step(fresh_model, monkeypatch):
@@ -353,7 +344,6 @@ def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_mod
     """adakv's ragged heads laid out padded, compact (one dense view per step) or in strided runs (forced): the plain
     decoding step gives the general step's logits bit for bit."""
     from kvsieve.cache.store_compaction import StoreCompaction
-    from kvsieve.engine.engine import Engine
 
     def two_runs(self, counts):
         if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
@@ -365,15 +355,9 @@ def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_mod
     monkeypatch.setattr(StoreCompaction, "plan_runs", two_runs if layout == "strided" else lambda self, counts: None)
     model = fresh_model("llama").to(dtype)
     ids = prompt(batch=2, length=PROMPT_LEN, seed=7)
-    params = {"budget": 12, "window": 4}
-    cache = kvsieve.KVCache(model, "adakv", **params)
-    fast_seq, fast_logits = generate(model, ids, cache, STEPS)
+    _, cache = _plain_step_equals_general(model, ids, lambda: kvsieve.KVCache(model, "adakv", budget=12, window=4),
+                                          monkeypatch)
     kinds = {"padded": "is_padded", "strided": "runs", "compact": None}
     ragged = [layer.store for layer in cache.layers if not layer.store.is_uniform]
     assert ragged and all(
         (not s.is_padded and s.runs is None) if kinds[layout] is None else getattr(s, kinds[layout]) for s in ragged)
-    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
-    general_seq, general_logits = generate(model, ids, kvsieve.KVCache(model, "adakv", **params), STEPS)
-    assert torch.equal(fast_seq, general_seq)
-    for fast, general in zip(fast_logits, general_logits, strict=True):
-        assert torch.equal(fast, general)
