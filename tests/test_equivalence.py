@@ -361,3 +361,50 @@ def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_mod
     ragged = [layer.store for layer in cache.layers if not layer.store.is_uniform]
     assert ragged and all(
         (not s.is_padded and s.runs is None) if kinds[layout] is None else getattr(s, kinds[layout]) for s in ragged)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvzip_decodes_plainly_once_reconstructed_and_equals_the_general_step(arch, fresh_model, dtype, monkeypatch):
+    """KVzip's scorer observes probe forwards only: once its reconstruction compressed the context, its ragged heads
+    decode through the plain step (their score appended at its fill), bit for bit the general step; before its
+    probe the general step runs (and warns)."""
+    from test_row_independence import CharTokenizer
+
+    from kvsieve.engine.engine import Engine
+    from kvsieve.generation.reconstruction import reconstruct
+
+    original = Engine._plain_decoding_step
+    model = fresh_model(arch).to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=8)
+
+    def reconstructed() -> kvsieve.KVCache:  # the context, then its probe; generate() feeds the last token on
+        cache = kvsieve.KVCache(model, "kvzip", budget=12)
+        with torch.inference_mode():
+            model(ids[:, :-1], **cache_kwargs(model, cache))
+            reconstruct(model, CharTokenizer(), cache, ids[:, :-1])
+        return cache
+
+    taken, cache = _plain_step_equals_general(model, ids, reconstructed, monkeypatch)
+    assert int(cache.head_lengths()[managed_layers(cache)].min()) < PROMPT_LEN - 1  # compressed by its probe
+    assert any(not layer.store.is_uniform for layer in cache.layers)
+    assert sum(taken) == STEPS * (len(cache.layers) - len(sliding_layers(cache)))
+    assert set(cache.layers[managed_layers(cache)[0]].store.extras) == {"kvzip_score"}
+    served: list[bool] = []
+    monkeypatch.setattr(Engine, "_plain_decoding_step",
+                        lambda self, *args: served.append(original(self, *args) is not None))  # None: general step
+    with pytest.warns(UserWarning, match="reconstruct"):
+        generate(model, ids, kvsieve.KVCache(model, "kvzip", budget=12), 2)
+    assert served and not any(served)
+
+
+def test_a_merging_action_keeps_the_general_step_for_its_merge_counts(fresh_model, monkeypatch):
+    """snapkv's scores with the ``merge`` action: merged entries carry a count (side data the attention reads as a
+    ``log n`` bias), so its decoding takes the general step, which is what the plain step's guard leaves it."""
+    model = fresh_model("llama")
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=9)
+    taken, cache = _plain_step_equals_general(
+        model, ids, lambda: kvsieve.KVCache(model, "snapkv", budget=12, window=4, action="merge"), monkeypatch)
+    assert taken and not any(taken)
+    assert "merge_count" in cache.layers[managed_layers(cache)[0]].store.extras
+

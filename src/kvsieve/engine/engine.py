@@ -71,13 +71,18 @@ class Engine:
         self._observes_nothing = policy.scorer is None and policy.selector is None and not policy.expand_gqa
         #: ... or whose scorer observes nothing and whose schedule never compacts at a decoding step (every
         #: prefill-schedule policy: snapkv, pyramidkv, restkv, ...): a decoding step only appends and attends.
+        #: KVzip's scorer observes probe forwards only: once its probe ran, it decodes plainly too, its per-entry
+        #: score (side data no decoding step reads) appended at its fill.
         scorer = policy.scorer
+        observes_probes_only = scorer is not None and scorer.OBSERVES_PROBES_ONLY
         self._decodes_plainly = self._observes_nothing or (
             policy.selector is None and not policy.expand_gqa and scorer is not None
-            and type(scorer).observe is Scorer.observe and not getattr(scorer, "RECONSTRUCTS", False)
+            and (type(scorer).observe is Scorer.observe or observes_probes_only)
             and not policy.schedule.fires(True, sys.maxsize, 0)
             and not policy.schedule.fires_total(True, sys.maxsize, 0, 1)
         )
+        #: Side data a plain decoding step may leave to the store's append (no decoding step reads or updates it).
+        self._passive_side = frozenset(spec.name for spec in scorer.side()) if observes_probes_only else frozenset()
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
@@ -192,20 +197,26 @@ class Engine:
         new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
     ) -> torch.Tensor | None:
         """A decoding step of a policy that neither observes nor compacts while decoding (``full``, and every
-        prefill-schedule policy whose scorer observes nothing: ``snapkv``, ``pyramidkv``, ``restkv``...): append
+        prefill-schedule policy whose scorer observes nothing: ``snapkv``, ``pyramidkv``, ``restkv``..., and
+        ``kvzip`` once its probe ran): append
         in place and attend over the held entries — what :meth:`_step` does for it (nothing to observe, no plan,
         no selector; transformers' SDPA call, or the packed call once the cache has compacted something, as
         :func:`~kvsieve.engine.attention_output.packs_decoding_query` decides), without describing the step first.
         Ragged heads (AdaKV) attend as the general step does: strided runs and length groups in place, a padded
         layout over its buffers with its additive mask, a compact one through one dense view. None (the general
-        step runs instead) unless the store holds entries and keeps no side data, hooks or tiers, and the new token
-        is real in every row. Equality with the general step is tested bit for bit."""
+        step runs instead) unless the store holds entries and keeps no hooks, tiers or side data but a probe-only
+        scorer's (KVzip's score: the append gives the new entry its fill, as the general step's does), and the new
+        token is real in every row; for KVzip, unless its probe ran (the general step warns). Equality with the
+        general step is tested bit for bit."""
         store = layer.store
         assert store is not None
         seen = layer.seen
-        if self.probe is not None or seen == 0 or store.extras or store.hooks or store.tiers \
+        if self.probe is not None or seen == 0 or store.hooks or store.tiers \
+                or not self._passive_side.issuperset(store.extras) \
                 or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
+        if self._reconstructs and not self.reconstructed and self._deferral.compactions == 0:
+            return None  # the general step warns that the probe has not run
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1

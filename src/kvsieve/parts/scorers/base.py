@@ -69,6 +69,8 @@ class Scorer(Part):
     NEEDS: ClassVar[frozenset[str]] = frozenset()
     #: Per-entry side data kept in the cache.
     SIDE: ClassVar[tuple[SideSpec, ...]] = ()
+    #: :meth:`observe` returns nothing outside probe forwards (KVzip): an ordinary decoding step observes nothing.
+    OBSERVES_PROBES_ONLY: ClassVar[bool] = False
 
     def schedules(self) -> tuple[str, ...]:
         return self.SCHEDULES

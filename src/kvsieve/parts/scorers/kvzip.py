@@ -61,6 +61,7 @@ class ContextReconstruction(Scorer):
     SCHEDULES: ClassVar[tuple[str, ...]] = ("prefill",)
     #: Scores come from probe forwards only (:mod:`kvsieve.engine.probe`); no plan before them.
     RECONSTRUCTS: ClassVar[bool] = True
+    OBSERVES_PROBES_ONLY: ClassVar[bool] = True
     n_sink: int = 4
     chunk_size: int = 2048
     overlap: int = 8
