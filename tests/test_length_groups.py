@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvsieve
 from kvsieve.attention import kernel
 from kvsieve.attention.kernel import split_decoding_attention
-from kvsieve.cache import length_groups
+from kvsieve.cache import length_groups, store_compaction
 from kvsieve.cache.length_groups import MAX_GROUPS, MIN_SAVING, plan_groups
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import LayerStep
@@ -167,8 +167,10 @@ def test_duo_attention_decodes_the_same_with_and_without_length_groups(monkeypat
     pattern = random_pattern(model, seed=4)
     ids = prompt(2, 48, seed=7)
     outputs = []
-    for cost in (1, 10**9):  # grouped on every layer with a long and a short head / never
+    for cost in (1, 10**9):  # grouped on every layer with a long and a short head / never (nor runs for compact)
         monkeypatch.setattr(length_groups, "CALL_COST", cost)
+        monkeypatch.setattr(store_compaction, "compact_step_cost",
+                            length_groups.compact_step_cost if cost == 1 else lambda *args: None)
         cache = kvsieve.KVCache(model, "duo_attention", budget=10, sinks=2, pattern=pattern, schedule="decode")
         logits = greedy_step_logits(model, cache, ids, 6)
         grouped_layers = sum(layer.store.length_groups() is not None for layer in cache.layers

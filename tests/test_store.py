@@ -650,6 +650,39 @@ def test_padded_and_compact_layouts_hold_the_same_entries(data):
         check_rows_map_to_their_segments(stores["strided"])
 
 
+def test_heads_too_uneven_to_pad_but_too_even_to_group_are_laid_out_in_runs_not_compact():
+    """No length groups pay (one padded view would do) but padding every head to the longest exceeds the cap: the
+    layout was compact, its decoding step gathering a padded view of every entry; on a CPU it is now strided runs
+    under the cap when they cost less than that gather — the same entries, views and decoding output as the compact
+    twin. Heads as even as the cap allows stay padded; elsewhere than a CPU (not measured) the layout stays compact."""
+    from kvsieve.cache import length_groups
+    from kvsieve.cache.store_compaction import padding_limit
+    from kvsieve.engine.attention_output import packed_decoding_output, ragged_decoding_output
+
+    counts = torch.tensor([40, 60, 50, 80, 45, 70])
+    assert length_groups.plan_groups(counts) is None and padding_limit(counts) < 6 * 80  # the case: neither
+    store, twin = make_store(), make_store()
+    twin.plan_runs = lambda counts: None  # type: ignore[method-assign]
+    keys, values = kv(96, seed=5)
+    local = torch.stack([torch.sort(torch.randperm(96, generator=torch.Generator().manual_seed(s))[:80]).values
+                         for s in range(B * H)])
+    for each in (store, twin):
+        each.append(keys, values, 0, None)
+        each.ensure_extra("acc")
+        each.keep(local, counts)
+    assert twin.runs is None and not twin.is_padded  # compact
+    assert store.runs is not None and not store.is_padded and len(store.runs) == 2
+    assert int(store.capacity.sum()) <= padding_limit(counts)
+    _same_entries_and_views(store, twin)
+    query = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(6))
+    in_runs = ragged_decoding_output(store, query, 0.5)
+    view = twin.dense()
+    assert in_runs is not None and ragged_decoding_output(twin, query, 0.5) is None
+    torch.testing.assert_close(in_runs, packed_decoding_output(query, view.keys, view.values, 0.5, view.valid))
+    assert store.plan_runs(torch.tensor([40, 44, 42, 48, 41, 46])) is None  # under the cap: padded
+    assert length_groups.compact_step_cost(6, 80, torch.device("cuda")) is None
+
+
 def _same_entries_and_views(padded: LayerStore, compact: LayerStore) -> None:
     """The same lengths and per-segment entries, and the same dense view on every valid slot."""
     assert torch.equal(padded.length, compact.length)

@@ -50,6 +50,25 @@ def run_call_cost(device: torch.device) -> int:
     return RUN_CALL_COST if device.type == "cpu" else ACCELERATOR_CALL_COST
 
 
+#: What a compact layout's decoding step pays per slot of the padded view it gathers, beyond attending it, in slots
+#: (a CPU): the copy of the slot (its key and value rows) ≈ half its attention; the gather's own operations (two
+#: ``index_select`` and the boolean mask SDPA converts) weigh about one more call. Measured with AdaKV at 256 on the
+#: default model (4k, bf16, 2 threads), a layer whose heads were too uneven to pad under the cap and even enough for
+#: one padded view: the compact layout's step 751 µs per layer at batch 8 (24 heads of 210–330 entries) and 385 at
+#: batch 1, against ~660 and ~340 in two or three strided runs.
+GATHER_SLOT_COST = 0.5
+
+
+def compact_step_cost(segments: int, longest: int, device: torch.device) -> float | None:
+    """A compact layout's decoding step in slots — its padded view gathered (:data:`GATHER_SLOT_COST` per slot and
+    one call's worth for the gather) and attended in one call — comparable with strided runs' slots plus
+    :func:`run_call_cost` per run; None elsewhere than a CPU (not measured there: the layout stays compact)."""
+    if device.type != "cpu":
+        return None
+    cost = run_call_cost(device)
+    return segments * longest * (1 + GATHER_SLOT_COST) + 2 * cost
+
+
 @dataclass(frozen=True)
 class LengthGroup:
     """Segments (flat ``b · heads + h`` indices, host and entries' device) and their longest at plan time."""

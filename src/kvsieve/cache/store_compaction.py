@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvsieve.cache.length_groups import call_cost, partitions, plan_groups, run_call_cost
+from kvsieve.cache.length_groups import call_cost, compact_step_cost, partitions, plan_groups, run_call_cost
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
 
@@ -125,17 +125,32 @@ class StoreCompaction(StoreLayout):
         DuoAttention's heads). Among the cuts under the cap: the fewest padded slots plus
         :data:`~kvsieve.cache.length_groups.RUN_CALL_COST` per run. Measured (default model's shapes, batch 8, bf16,
         one layer's decoding attention): DBTrimKV's heads of 57 / 707 / 1,313 entries 838 → 329 µs, of
-        126 / 379 / 601 504 → 194 µs, against 237 and 118 µs for a uniform cache holding as many entries."""
+        126 / 379 / 601 504 → 194 µs, against 237 and 118 µs for a uniform cache holding as many entries.
+
+        Also, on a CPU, where no length groups pay but one padded layout would exceed the cap (the layout was then
+        compact, its step gathering a padded view of every entry): runs under the cap when they cost less than that
+        gather (:func:`~kvsieve.cache.length_groups.compact_step_cost`). AdaKV at 256 (default model, 4k, bf16): 13 of
+        30 layers at batch 8 and 8 at batch 1 were compact; as runs its step went 1.196 → 1.137× snapkv's at batch 8
+        (``benchmarks/results/engine_overhead_*_compact_runs.json``)."""
         if counts.numel() < 2 or int(counts.min()) == int(counts.max()):
             return None
+        # without length groups worth their calls, the alternative is the compact layout (the caller pads only
+        # under the cap): its step gathers a padded view of every held entry, which runs must cost less than
+        compact = None
         if plan_groups(counts, call_cost(self.device)) is None:
-            return None
+            if counts.numel() * int(counts.max()) <= padding_limit(counts):
+                return None  # padded: one zero-copy view (:meth:`pads`)
+            compact = compact_step_cost(counts.numel(), int(counts.max()), self.device)
+            if compact is None:
+                return None
         # as few runs as the padding cap allows, each one more worth RUN_CALL_COST slots (no gather in a run)
         limit, cost = padding_limit(counts), run_call_cost(self.device)
         cuts = {g: cut for g, cut in partitions(counts).items() if g >= 2 and cut[0] <= limit}
         if not cuts:
             return None
         best = min(cuts, key=lambda g: cuts[g][0] + g * cost)
+        if compact is not None and cuts[best][0] + best * cost >= compact:
+            return None
         # laid out as close to segment order as the cut allows (each run's segments ascending, runs by their first):
         # where that is segment order, a decoding step reorders neither its queries nor its outputs
         runs = sorted(sorted(members.tolist()) for members, _, _ in cuts[best][1])
