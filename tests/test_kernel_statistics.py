@@ -13,6 +13,7 @@ import torch
 from kvsieve.attention import kernel
 from kvsieve.attention.kernel import (
     QUERY_BLOCK,
+    AttentionForm,
     Visibility,
     all_along,
     any_along,
@@ -23,6 +24,7 @@ from kvsieve.attention.kernel import (
     column_sums,
     query_block_rows,
     visibility_mask,
+    window_attention_rows,
 )
 
 BATCH, Q_HEADS, KV_HEADS, D = 2, 6, 2, 8
@@ -241,3 +243,41 @@ def test_visibility_bounds_give_the_same_blocks_as_the_reduced_mask(kind, first)
     slow_out, slow_sums = attention_and_column_sums(query, keys, values, reduced, SCALE, weight)
     assert torch.equal(fast_out, slow_out) and torch.equal(fast_sums, slow_sums)
     assert not torch.isnan(fast_out).any()
+
+
+@pytest.mark.parametrize("kind", ["causal", "padded", "window", "shuffled", "blind", "capped_sinks_bias"])
+@pytest.mark.parametrize("first", [0, 40])
+def test_window_rows_mask_only_what_some_query_cannot_see_and_equal_the_full_mask(kind, first):
+    """SnapKV's window rows (the forward's last ``w`` queries) masked from :class:`Visibility`'s bounds — columns no
+    query sees filled, only the hidden square compared — are bit for bit the rows under the whole ``w × n`` mask:
+    causal, left padding, a sliding window, entries out of position order, a window whose first query sees nothing
+    (padding: zero rows, not NaN), soft-capping with sinks and a per-entry bias."""
+    n, w = 3 * 64 + 5, 32
+    generator = torch.Generator().manual_seed(first + len(kind))
+    query = torch.randn(BATCH, Q_HEADS, w, D, generator=generator)
+    keys = torch.randn(BATCH, KV_HEADS, n, D, generator=generator)
+    positions = torch.arange(n).view(1, 1, n).expand(BATCH, KV_HEADS, n).clone()
+    valid, window, bias = None, None, None
+    form = AttentionForm(SCALE)
+    if kind == "padded":
+        valid = torch.ones(BATCH, KV_HEADS, n, dtype=torch.bool)
+        valid[0, :, :37] = False
+    if kind == "window":
+        window = 20
+    if kind == "shuffled":
+        positions = torch.stack([torch.randperm(n, generator=generator) for _ in range(BATCH * KV_HEADS)])
+        positions = positions.view(BATCH, KV_HEADS, n)
+    start = n - w + first  # the window's first query position (a continued prompt when first > 0)
+    if kind == "blind":  # every entry after the window's first query: it sees nothing, the later ones a few
+        positions = positions + start + 1
+    if kind == "capped_sinks_bias":
+        form = AttentionForm(SCALE, softcap=5.0, sinks=torch.randn(Q_HEADS, generator=generator))
+        bias = torch.rand(BATCH, KV_HEADS, n, generator=generator)
+    visibility = Visibility(start, positions, valid, window)
+    full = visibility_mask(torch.arange(start, start + w), positions, valid, window)
+    got = window_attention_rows(query, keys, visibility, form, bias)
+    assert torch.equal(got, attention_rows(query, keys, full, form, bias))
+    assert not torch.isnan(got).any()
+    if kind == "blind":
+        assert got[:, :, 0].abs().sum() == 0 and got[:, :, -1].sum() > 0
+

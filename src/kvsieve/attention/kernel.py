@@ -415,6 +415,34 @@ def attention_rows(
     return probs.view(batch, q_heads, q_len, keys.shape[2])
 
 
+def window_attention_rows(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    visibility: Visibility,
+    form: AttentionForm | float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attention_rows` of a forward's last queries (``query`` ``(batch, q_heads, w, d)``, consecutive positions
+    from ``visibility.first_query``), masked as the blockwise passes mask a block (:func:`_block_visibility`): columns
+    no query sees are ``-inf`` by one fill, and only the columns some query cannot see (under a causal prefill, the
+    window's own ``w × w`` square) are compared and masked, instead of building, inverting and applying a ``w × n``
+    mask (4k prompt, 32-query window: ~1 ms of the ~4 ms per layer of SnapKV's window statistics). The same
+    probabilities bit for bit (the same logits get ``-inf``)."""
+    form = as_form(form)
+    batch, q_heads, w, _ = query.shape
+    n = keys.shape[2]
+    limit, first_hidden, hidden, sees_nothing = _block_visibility(visibility, 0, w)
+    logits = attention_logits(query, keys, form, bias)
+    if limit < n:
+        logits[..., limit:] = float("-inf")
+    if hidden is not None:
+        logits[..., first_hidden:limit].masked_fill_(hidden.unsqueeze(2), float("-inf"))
+    probs = softmax_with_sinks(logits, _grouped_sinks(form, keys.shape[1]))
+    if sees_nothing or limit == 0:  # a row with no visible key is NaN after softmax: it attends to nothing
+        probs = torch.nan_to_num(probs, nan=0.0)
+    return probs.view(batch, q_heads, w, n)
+
+
 def column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,

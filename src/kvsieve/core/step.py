@@ -21,7 +21,7 @@ from kvsieve.attention.kernel import (
     attention_rows,
     column_maxima,
     column_sums,
-    visibility_mask,
+    window_attention_rows,
 )
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
@@ -184,10 +184,12 @@ class LayerStep:
             if self.is_decoding and self.sliding_window is None:
                 # the newest query sees every held entry (as the engine's output mask): validity is visibility
                 mask = None if self.view.valid is None else self.view.valid.unsqueeze(-2)
-            else:
-                positions = self.query_positions[-w:]
-                mask = visibility_mask(positions, self.view.positions, self.view.valid, self.sliding_window)
-            rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.form, self.bias())
+                rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.form, self.bias())
+            else:  # masked where some window query cannot see (the window's own square under a causal prefill)
+                visibility = Visibility(self.first_position + self.q_len - w, self.view.positions, self.view.valid,
+                                        self.sliding_window)
+                rows = window_attention_rows(self.query[:, :, -w:], self.view.keys, visibility, self.form,
+                                             self.bias())
             if self.query_valid is not None:
                 rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)
             self._memo[key] = rows
