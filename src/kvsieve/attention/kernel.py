@@ -426,8 +426,9 @@ def window_attention_rows(
     from ``visibility.first_query``), masked as the blockwise passes mask a block (:func:`_block_visibility`): columns
     no query sees are ``-inf`` by one fill, and only the columns some query cannot see (under a causal prefill, the
     window's own ``w × w`` square) are compared and masked, instead of building, inverting and applying a ``w × n``
-    mask (4k prompt, 32-query window: ~1 ms of the ~4 ms per layer of SnapKV's window statistics). The same
-    probabilities bit for bit (the same logits get ``-inf``)."""
+    mask (4k prompt, 32-query window, bf16 keys: 6.1 → 5.8 ms per layer with a model step's matrix products between
+    calls; the float32 ``q·k`` product and softmax are the rest). The same probabilities bit for bit (the same logits
+    get ``-inf``)."""
     form = as_form(form)
     batch, q_heads, w, _ = query.shape
     n = keys.shape[2]
