@@ -51,6 +51,9 @@ class _Step(SimpleNamespace):
     def window_rows(self, window):
         return self.rows[:, :, -window:]
 
+    def window_column_sums(self, window):
+        return self.window_rows(window).sum(dim=2)
+
     def lengths(self):
         return torch.full(self.view.positions.shape[:2], self.view.positions.shape[-1])
 

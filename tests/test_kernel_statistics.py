@@ -25,6 +25,7 @@ from kvsieve.attention.kernel import (
     query_block_rows,
     visibility_mask,
     window_attention_rows,
+    window_column_sums,
 )
 
 BATCH, Q_HEADS, KV_HEADS, D = 2, 6, 2, 8
@@ -247,7 +248,7 @@ def test_visibility_bounds_give_the_same_blocks_as_the_reduced_mask(kind, first)
 
 @pytest.mark.parametrize("kind", ["causal", "padded", "window", "shuffled", "blind", "capped_sinks_bias"])
 @pytest.mark.parametrize("first", [0, 40])
-def test_window_rows_mask_only_what_some_query_cannot_see_and_equal_the_full_mask(kind, first):
+def test_window_rows_mask_only_what_some_query_cannot_see_and_equal_the_full_mask(kind, first, monkeypatch):
     """SnapKV's window rows (the forward's last ``w`` queries) masked from :class:`Visibility`'s bounds — columns no
     query sees filled, only the hidden square compared — are bit for bit the rows under the whole ``w × n`` mask:
     causal, left padding, a sliding window, entries out of position order, a window whose first query sees nothing
@@ -280,4 +281,13 @@ def test_window_rows_mask_only_what_some_query_cannot_see_and_equal_the_full_mas
     assert not torch.isnan(got).any()
     if kind == "blind":
         assert got[:, :, 0].abs().sum() == 0 and got[:, :, -1].sum() > 0
+    # SnapKV's vote without holding the rows: one KV head (and some batch rows) at a time, the same sums bit for bit
+    weight = torch.ones(BATCH, w)
+    weight[1, :5] = 0.0  # left-padding queries of the second row
+    for chunk in (1, 10**9):  # one batch row per chunk / every row in one
+        monkeypatch.setattr(kernel, "WINDOW_CHUNK_BYTES", chunk)
+        for given in (None, weight):
+            sums = window_column_sums(query, keys, visibility, form, bias, given)
+            rows = got if given is None else got * given[:, None, :, None]
+            assert torch.equal(sums, rows.sum(dim=2))
 

@@ -444,6 +444,56 @@ def window_attention_rows(
     return probs.view(batch, q_heads, w, n)
 
 
+#: Float32 logits per chunk of :func:`window_column_sums` on the CPU (one KV head's group, as many batch rows as fit):
+#: a chunk's logits, softmax and sum stay in a core's cache instead of going through memory as one ``w × n`` block
+#: of every head (4k prompt, 32-query window, 9 query / 3 KV heads, bf16 keys, a model step's matrix products
+#: between calls: 6.0 → 2.0 ms per layer).
+WINDOW_CHUNK_BYTES = 2 << 20
+
+
+def window_column_sums(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    visibility: Visibility,
+    form: AttentionForm | float,
+    bias: torch.Tensor | None = None,
+    query_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Σ_t w_t · A[t, j]`` over a forward's last queries ``(batch, q_heads, n)`` (SnapKV's vote): the sum over the
+    window of :func:`window_attention_rows` (``query_weight`` ``(batch, w)`` zeroes padding queries), computed one KV
+    head's group (and, on the CPU, a cache-sized run of batch rows: :data:`WINDOW_CHUNK_BYTES`) at a time with the
+    same operations, so bit for bit the sum of the rows (tested) without holding them all."""
+    form = as_form(form)
+    batch, q_heads, w, _ = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    groups = q_heads // kv_heads
+    limit, first_hidden, hidden, sees_nothing = _block_visibility(visibility, 0, w)
+    sinks = _grouped_sinks(form, kv_heads)
+    scaled = query.float() * form.scaling
+    out = torch.empty(batch, kv_heads, groups, n, dtype=torch.float32, device=query.device)
+    if query.device.type == "cpu":
+        heads, rows = 1, max(1, WINDOW_CHUNK_BYTES // (groups * w * n * 4))
+    else:  # each chunk costs kernel launches there: one chunk
+        heads, rows = kv_heads, batch
+    for h in range(0, kv_heads, heads):
+        for b in range(0, batch, rows):
+            kv, bs = slice(h, h + heads), slice(b, b + rows)
+            logits = form.cap(_grouped_logits(scaled[bs, h * groups : (h + heads) * groups], keys[bs, kv].float()))
+            if bias is not None:
+                logits = logits + bias[bs, kv].float()[:, :, None, None, :]
+            if limit < n:
+                logits[..., limit:] = float("-inf")
+            if hidden is not None:
+                logits[..., first_hidden:limit].masked_fill_(hidden[bs, kv].unsqueeze(2), float("-inf"))
+            probs = softmax_with_sinks(logits, None if sinks is None else sinks[:, kv])
+            if sees_nothing or limit == 0:
+                probs = torch.nan_to_num(probs, nan=0.0)
+            if query_weight is not None:
+                probs = probs * query_weight[bs, None, None, :, None].to(probs.dtype)
+            out[bs, kv] = probs.sum(dim=3)
+    return out.view(batch, q_heads, n)
+
+
 def column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,

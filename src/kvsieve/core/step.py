@@ -22,6 +22,7 @@ from kvsieve.attention.kernel import (
     column_maxima,
     column_sums,
     window_attention_rows,
+    window_column_sums,
 )
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
@@ -193,6 +194,25 @@ class LayerStep:
             if self.query_valid is not None:
                 rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)
             self._memo[key] = rows
+        return self._memo[key]
+
+    def window_column_sums(self, window: int) -> torch.Tensor:
+        """``Σ_t A[t, j]`` over the last ``min(window, q)`` real queries, ``(batch, q_heads, L)`` (float32): the sum of
+        :meth:`window_rows` over its queries (part of that statistic), from the rows when they are computed already,
+        else without holding them (:func:`~kvsieve.attention.kernel.window_column_sums`, one KV head at a time at a
+        prompt forward: bit for bit the same sums)."""
+        self._require(WINDOW_ROWS)
+        w = min(window, self.q_len)
+        key = ("window_sums", w)
+        if key not in self._memo:
+            if ("rows", w) in self._memo or self.is_decoding:
+                self._memo[key] = self.window_rows(window).sum(dim=2)
+            else:
+                visibility = Visibility(self.first_position + self.q_len - w, self.view.positions, self.view.valid,
+                                        self.sliding_window)
+                weight = None if self.query_valid is None else self.query_valid[:, -w:]
+                self._memo[key] = window_column_sums(self.query[:, :, -w:], self.view.keys, visibility, self.form,
+                                                     self.bias(), weight)
         return self._memo[key]
 
     def window_outputs(self, window: int) -> torch.Tensor:

@@ -88,7 +88,7 @@ class GlobalLocal(Scorer):
         glo = reduce_groups(step.all_column_sums(), heads, "mean")
         past, cur, rows = extras[LOCAL_PAST].float(), extras[LOCAL_CUR].float(), extras[LOCAL_ROWS].float()
         if step.q_len >= self.window:  # a prompt (or a block of one): past = its last `window` queries, cur restarts
-            local = reduce_groups(step.window_rows(self.window).sum(dim=2), heads, "mean")
+            local = reduce_groups(step.window_column_sums(self.window), heads, "mean")
             return {GLOBAL: glo, LOCAL_PAST: local - past, LOCAL_CUR: -cur, LOCAL_ROWS: -rows}
         # decoding (and chunks shorter than the window, e.g. streamed text): the rows join `cur`
         held = rows.masked_fill(~valid, 0.0).amax(dim=-1, keepdim=True) + step.q_len  # new entries hold 0

@@ -31,9 +31,8 @@ def window_scores(
     pooled: the window's own entries get 0 before pooling, so their large self-attention does not leak
     into the neighbouring prefix scores (the caller protects the window anyway).
     """
-    rows = step.window_rows(max(window, 1))
-    summed = rows.sum(dim=2)
-    first_window_position = step.query_positions[-rows.shape[2]]
+    summed = step.window_column_sums(max(window, 1))
+    first_window_position = step.query_positions[-min(max(window, 1), step.q_len)]
     in_window = (step.view.positions >= first_window_position).repeat_interleave(step.groups, dim=1)
     summed = summed.masked_fill(in_window, 0.0)
     pooled = pool_scores(summed, kernel_size, pooling)
