@@ -187,10 +187,8 @@ class LayerStep:
                 mask = None if self.view.valid is None else self.view.valid.unsqueeze(-2)
                 rows = attention_rows(self.query[:, :, -w:], self.view.keys, mask, self.form, self.bias())
             else:  # masked where some window query cannot see (the window's own square under a causal prefill)
-                visibility = Visibility(self.first_position + self.q_len - w, self.view.positions, self.view.valid,
-                                        self.sliding_window)
-                rows = window_attention_rows(self.query[:, :, -w:], self.view.keys, visibility, self.form,
-                                             self.bias())
+                rows = window_attention_rows(self.query[:, :, -w:], self.view.keys, self._window_visibility(w),
+                                             self.form, self.bias())
             if self.query_valid is not None:
                 rows = rows * self.query_valid[:, None, -w:, None].to(rows.dtype)
             self._memo[key] = rows
@@ -208,12 +206,15 @@ class LayerStep:
             if ("rows", w) in self._memo or self.is_decoding:
                 self._memo[key] = self.window_rows(window).sum(dim=2)
             else:
-                visibility = Visibility(self.first_position + self.q_len - w, self.view.positions, self.view.valid,
-                                        self.sliding_window)
                 weight = None if self.query_valid is None else self.query_valid[:, -w:]
-                self._memo[key] = window_column_sums(self.query[:, :, -w:], self.view.keys, visibility, self.form,
-                                                     self.bias(), weight)
+                self._memo[key] = window_column_sums(self.query[:, :, -w:], self.view.keys, self._window_visibility(w),
+                                                     self.form, self.bias(), weight)
         return self._memo[key]
+
+    def _window_visibility(self, w: int) -> Visibility:
+        """The visibility of this forward's last ``w`` queries over the held entries."""
+        return Visibility(self.first_position + self.q_len - w, self.view.positions, self.view.valid,
+                          self.sliding_window)
 
     def window_outputs(self, window: int) -> torch.Tensor:
         """Per-query-head attention outputs before ``W_O``, ``o_t = Σ_j A[t, j] v_j``, ``(batch, q_heads, w, d)``.
