@@ -510,20 +510,28 @@ def check_rows_map_to_their_segments(store: LayerStore) -> None:
         assert torch.equal(store.segments_of(rows), torch.full_like(rows, s))
 
 
-def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
-    """Long and short heads (a decoding step attends by length group): each group a run of equal capacities back to
-    back, viewed in place by the decoding step; its validity, the row → segment map, decoding appends (in place,
-    then a relayout that keeps the runs) and side data hold, and the entries are those of a compact twin."""
+def _kept_beside_a_compact_twin(counts: torch.Tensor, length: int, seed: int) -> tuple[LayerStore, LayerStore]:
+    """Two stores given the same ``length`` entries (with side data) and the same keep of ``counts`` per segment (the
+    lowest positions of a random subset): the store as laid out by default, and a twin refused strided runs."""
     store, twin = make_store(), make_store()
     twin.plan_runs = lambda counts: None  # type: ignore[method-assign]
-    keys, values = kv(320, seed=63)
-    counts = torch.tensor([5, 300, 6, 290, 4, 310])
-    local = torch.stack([torch.sort(torch.randperm(320, generator=torch.Generator().manual_seed(s))[:310]).values
+    keys, values = kv(length, seed=seed)
+    width = int(counts.max())
+    local = torch.stack([torch.sort(torch.randperm(length, generator=torch.Generator().manual_seed(s))[:width]).values
                          for s in range(B * H)])
     for each in (store, twin):
         each.append(keys, values, 0, None)
         each.ensure_extra("acc")
         each.keep(local, counts)
+    return store, twin
+
+
+def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
+    """Long and short heads (a decoding step attends by length group): each group a run of equal capacities back to
+    back, viewed in place by the decoding step; its validity, the row → segment map, decoding appends (in place,
+    then a relayout that keeps the runs) and side data hold, and the entries are those of a compact twin."""
+    counts = torch.tensor([5, 300, 6, 290, 4, 310])
+    store, twin = _kept_beside_a_compact_twin(counts, 320, seed=63)
     assert store.runs is not None and twin.runs is None and not store.is_padded
     assert sorted(sorted(members) for members in store.runs) == [[0, 2, 4], [1, 3, 5]]
     assert torch.equal(store.capacity, torch.tensor([6, 310, 6, 310, 6, 310]))
@@ -557,6 +565,7 @@ def test_heads_of_very_different_lengths_are_laid_out_in_strided_runs():
     empty = make_store()  # segments holding nothing (no rows) among others: rows still map to their segments
     empty.plan_runs = lambda counts: ((3,), (0, 1), (2, 4, 5))  # type: ignore[method-assign]
     empty.pads = lambda counts: False  # type: ignore[method-assign]
+    keys, values = kv(320, seed=63)
     empty.append(keys[:, :, :4], values[:, :, :4], 0, None)
     empty.keep(torch.tensor([[0, 1, 2, 3]] * (B * H)), torch.tensor([2, 1, 3, 0, 3, 4]))
     assert empty.runs == ((3,), (0, 1), (2, 4, 5)) and int(empty.start[3]) == int(empty.start[0]) == 0
@@ -661,15 +670,7 @@ def test_heads_too_uneven_to_pad_but_too_even_to_group_are_laid_out_in_runs_not_
 
     counts = torch.tensor([40, 60, 50, 80, 45, 70])
     assert length_groups.plan_groups(counts) is None and padding_limit(counts) < 6 * 80  # the case: neither
-    store, twin = make_store(), make_store()
-    twin.plan_runs = lambda counts: None  # type: ignore[method-assign]
-    keys, values = kv(96, seed=5)
-    local = torch.stack([torch.sort(torch.randperm(96, generator=torch.Generator().manual_seed(s))[:80]).values
-                         for s in range(B * H)])
-    for each in (store, twin):
-        each.append(keys, values, 0, None)
-        each.ensure_extra("acc")
-        each.keep(local, counts)
+    store, twin = _kept_beside_a_compact_twin(counts, 96, seed=5)
     assert twin.runs is None and not twin.is_padded  # compact
     assert store.runs is not None and not store.is_padded and len(store.runs) == 2
     assert int(store.capacity.sum()) <= padding_limit(counts)
