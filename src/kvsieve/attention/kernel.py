@@ -431,17 +431,33 @@ def window_attention_rows(
     get ``-inf``)."""
     form = as_form(form)
     batch, q_heads, w, _ = query.shape
-    n = keys.shape[2]
-    limit, first_hidden, hidden, sees_nothing = _block_visibility(visibility, 0, w)
-    logits = attention_logits(query, keys, form, bias)
-    if limit < n:
+    bounds = _block_visibility(visibility, 0, w)
+    probs = _window_probs(query.float() * form.scaling, keys, form, bias, _grouped_sinks(form, keys.shape[1]), bounds)
+    return probs.view(batch, q_heads, w, keys.shape[2])
+
+
+def _window_probs(
+    scaled: torch.Tensor,
+    keys: torch.Tensor,
+    form: AttentionForm,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    bounds: tuple[int, int, torch.Tensor | None, bool],
+) -> torch.Tensor:
+    """Float32 probabilities ``(batch, kv_heads, groups, w, n)`` of the scaled window queries over ``keys`` (as
+    :func:`attention_rows` computes them), masked by :func:`_block_visibility`'s ``bounds`` of those heads."""
+    limit, first_hidden, hidden, sees_nothing = bounds
+    logits = form.cap(_grouped_logits(scaled, keys.float()))
+    if bias is not None:
+        logits = logits + bias.float()[:, :, None, None, :]
+    if limit < keys.shape[2]:
         logits[..., limit:] = float("-inf")
     if hidden is not None:
         logits[..., first_hidden:limit].masked_fill_(hidden.unsqueeze(2), float("-inf"))
-    probs = softmax_with_sinks(logits, _grouped_sinks(form, keys.shape[1]))
+    probs = softmax_with_sinks(logits, sinks)
     if sees_nothing or limit == 0:  # a row with no visible key is NaN after softmax: it attends to nothing
         probs = torch.nan_to_num(probs, nan=0.0)
-    return probs.view(batch, q_heads, w, n)
+    return probs
 
 
 #: Float32 logits per chunk of :func:`window_column_sums` on the CPU (one KV head's group, as many batch rows as fit):
@@ -478,16 +494,10 @@ def window_column_sums(
     for h in range(0, kv_heads, heads):
         for b in range(0, batch, rows):
             kv, bs = slice(h, h + heads), slice(b, b + rows)
-            logits = form.cap(_grouped_logits(scaled[bs, h * groups : (h + heads) * groups], keys[bs, kv].float()))
-            if bias is not None:
-                logits = logits + bias[bs, kv].float()[:, :, None, None, :]
-            if limit < n:
-                logits[..., limit:] = float("-inf")
-            if hidden is not None:
-                logits[..., first_hidden:limit].masked_fill_(hidden[bs, kv].unsqueeze(2), float("-inf"))
-            probs = softmax_with_sinks(logits, None if sinks is None else sinks[:, kv])
-            if sees_nothing or limit == 0:
-                probs = torch.nan_to_num(probs, nan=0.0)
+            bounds = (limit, first_hidden, None if hidden is None else hidden[bs, kv], sees_nothing)
+            probs = _window_probs(scaled[bs, h * groups : (h + heads) * groups], keys[bs, kv], form,
+                                  None if bias is None else bias[bs, kv], None if sinks is None else sinks[:, kv],
+                                  bounds)
             if query_weight is not None:
                 probs = probs * query_weight[bs, None, None, :, None].to(probs.dtype)
             out[bs, kv] = probs.sum(dim=3)
