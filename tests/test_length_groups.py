@@ -149,6 +149,65 @@ def test_strided_runs_views_follow_the_buffers_when_they_grow():
     assert grown
 
 
+@pytest.mark.parametrize(("batch", "kv_heads", "lengths"), [
+    (1, 3, [5, 6, 300]),
+    (1, 3, [300, 5, 6]),  # runs out of segment order
+    (1, 4, [400, 3, 7, 400]),
+    (2, 3, [5, 6, 300, 300, 6, 5]),  # six segments: one call per run
+])
+def test_strided_runs_of_few_segments_are_attended_in_one_masked_call(monkeypatch, batch, kv_heads, lengths):
+    """At batch 1 on a CPU (at most ``ONE_CALL_SEGMENTS`` segments) a layout cut into strided runs is attended in one
+    SDPA call over its whole buffer, every query row masked to its own segment's held entries (slack and the other
+    segments' rows: −inf): the padded view's attention. With more segments, one call per run, as before."""
+    monkeypatch.setattr(length_groups, "CALL_COST", 1)
+    monkeypatch.setattr(store_compaction, "MAX_PADDING", 10.0)
+    groups = 3
+    step = ragged_decoding_step(batch, kv_heads, groups, lengths, strided=True)
+    store = step.store
+    planned = store.length_groups()
+    assert planned is not None and store.runs is not None and len(planned) >= 2
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks: list[torch.Tensor | None] = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: masks.append(k.get("attn_mask")) or sdpa(*a, **k))
+    grouped = grouped_decode_output(store, step.query, step.scaling, planned)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    one_call = batch * kv_heads <= length_groups.ONE_CALL_SEGMENTS
+    assert len(masks) == (1 if one_call else len(planned))
+    if one_call:
+        mask = masks[0]
+        assert mask is not None and mask.shape == (1, 1, batch * kv_heads * groups, store.keys.shape[0])
+        held = torch.isfinite(mask[0, 0]).sum(dim=1)  # each query row sees exactly its segment's entries
+        assert held.tolist() == [n + 2 for n in lengths for _ in range(groups)]
+    padded = all_entries_output(step, step.module, None, None, step.view)
+    torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(length_groups, "ONE_CALL_SEGMENTS", 0)  # the runs' calls: the same attention
+    torch.testing.assert_close(grouped_decode_output(store, step.query, step.scaling, planned), grouped,
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_the_one_call_mask_follows_the_appends_and_the_buffers_and_counts_in_the_bytes():
+    """The one-call mask is built once per layout and buffers and kept by decoding appends in place (at every step,
+    the mask built afresh from the layout), rebuilt when the slack runs out and the segments move into larger
+    buffers, and counted in the store's bytes."""
+    from kvsieve.cache.store_append import GROWTH
+
+    step = ragged_decoding_step(1, 3, 3, [300, 5, 6], strided=True)
+    store = step.store
+    first, buffers = store.one_call_mask(3), store.keys
+    assert store.one_call_mask(3) is first and store.nbytes() >= first.nbytes + store.keys.nbytes
+    generator = torch.Generator().manual_seed(2)
+    for position in range(302, 302 + GROWTH + 2):
+        store.append(torch.randn(1, 3, 1, 8, generator=generator), torch.randn(1, 3, 1, 8, generator=generator),
+                     position, None)
+        kept = store.one_call_mask(3)
+        store._one_call_mask = None  # the same mask built from the layout now
+        assert torch.equal(store.one_call_mask(3), kept)
+        assert torch.equal(torch.isfinite(kept[::3]).sum(dim=1), store.length)
+    assert store.runs is not None and store.keys is not buffers
+    assert store.one_call_mask(3).shape == (9, store.keys.shape[0])
+
+
 def greedy_step_logits(model: torch.nn.Module, cache: kvsieve.KVCache, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """Prefill ``ids``, then ``steps`` greedy decoding steps: the last logits of each step, stacked."""
     logits = []

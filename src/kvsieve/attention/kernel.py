@@ -128,6 +128,13 @@ attention_for_cpu(query, key, value, dropout_p, is_causal, *, attn_mask, scale) 
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def splits_decoding(entries: int, device: torch.device) -> bool:
+    """Whether :func:`split_decoding_attention` cuts a head of ``entries`` entries on ``device`` across the threads
+    (a CPU, several threads, at least :data:`SPLIT_DECODING_LENGTH` entries and the operator it needs)."""
+    return (device.type == "cpu" and torch.get_num_threads() >= 2 and entries >= SPLIT_DECODING_LENGTH
+            and _flash_with_logsumexp() is not None)
+
+
 def split_decoding_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
                              ) -> torch.Tensor | None:
     """Decoding attention of ``query`` ``(rows, d)`` (one KV head's query rows) over ``keys``/``values``
@@ -142,10 +149,10 @@ def split_decoding_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     differently (float32 combination, one rounding to the model dtype; ``test_length_groups.py``).
     """
     n, dim = keys.shape
-    threads = torch.get_num_threads()
     operator = _flash_with_logsumexp()
-    if query.device.type != "cpu" or threads < 2 or n < SPLIT_DECODING_LENGTH or operator is None:
+    if not splits_decoding(n, query.device) or operator is None:
         return None
+    threads = torch.get_num_threads()
     parts = max(2, min(threads, n // SPLIT_PART_LENGTH))
     width = n // parts
     body = parts * width

@@ -45,6 +45,21 @@ MIN_SAVING = 0.25
 RUN_CALL_COST = 1024
 
 
+#: On a CPU, a layout cut into strided runs whose layer holds at most this many segments (batch 1 of a model with
+#: up to 4 KV heads) is attended in one masked call over its whole buffer rather than one call per run: every query
+#: row scans every row, each masked to its own segment's held entries (``StoreLayout.one_call_mask``). The redundant
+#: dot products cost less than the calls they save while the segments are this few. Measured inside the default
+#: model's decoding step (bf16, 3 KV heads of 64, 2 threads, KVzip's global budget: one head of 160–3,500 entries
+#: beside heads of about 5): 225–440 µs per such layer in 2–3 runs, 195–390 in one call.
+ONE_CALL_SEGMENTS = 4
+
+
+def attends_in_one_call(segments: int, device: torch.device) -> bool:
+    """Whether strided runs of ``segments`` segments on ``device`` are attended in one masked call
+    (:data:`ONE_CALL_SEGMENTS`; elsewhere than a CPU, not measured: one call per run)."""
+    return device.type == "cpu" and segments <= ONE_CALL_SEGMENTS
+
+
 def run_call_cost(device: torch.device) -> int:
     """Slots one more strided run is worth on ``device`` (elsewhere than a CPU: :data:`ACCELERATOR_CALL_COST`)."""
     return RUN_CALL_COST if device.type == "cpu" else ACCELERATOR_CALL_COST

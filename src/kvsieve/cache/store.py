@@ -74,8 +74,10 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
 
     def nbytes(self) -> int:
         """Bytes allocated for keys, values, positions, side data and hook data (growth slack included), and a
-        padded layout's or strided runs' per-row validity and its additive mask, while they are kept."""
+        padded layout's or strided runs' per-row validity, its additive mask and the one-call decoding mask, while
+        they are kept."""
         total = self.keys.nbytes + self.values.nbytes + self.positions.nbytes
         total += sum(t.nbytes for t in (self._row_valid, self._row_bias) if t is not None)
+        total += 0 if self._one_call_mask is None else self._one_call_mask[2].nbytes
         total += sum(t.nbytes for t in self.extras.values()) + sum(tier.nbytes() for tier in self.tiers)
         return total + sum(hook.nbytes() for hook in self.hooks)

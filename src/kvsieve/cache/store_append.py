@@ -110,6 +110,9 @@ class StoreAppend(StoreLayout):
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim))
+        if self._one_call_mask is not None:  # each segment's new row opened to its own query rows
+            _, per_head, mask, segments = self._one_call_mask
+            mask.view(segs, per_head, -1)[segments, :, dst] = 0.0
         if self._row_bias is not None:  # the validity as the additive mask decoding reads; the boolean one from it
             self._row_bias.index_fill_(0, dst, 0.0)
             self._row_valid = None

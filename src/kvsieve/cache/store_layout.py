@@ -102,6 +102,9 @@ class StoreLayout:
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
+        #: Which rows each query row of a one-call decoding step sees, as an additive mask (:meth:`one_call_mask`),
+        #: with the buffers it covers, the query rows per segment it was built for and the segments' indices.
+        self._one_call_mask: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
         #: A padded layout's buffers and bias viewed ``(batch, heads, capacity, ...)`` (:meth:`padded_decoding_views`),
         #: with the tensors they view.
         self._padded_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, CapacityViews] | None = None
@@ -175,6 +178,7 @@ class StoreLayout:
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise
+        self._one_call_mask = None
         self._row_valid = None
         self._row_bias = None
         self._segment_lookup = None
@@ -282,6 +286,28 @@ class StoreLayout:
             bias = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device)
             self._row_bias = bias.masked_fill_(~valid, float("-inf"))
         return self._row_bias
+
+    def one_call_mask(self, per_head: int) -> torch.Tensor:
+        """An additive mask ``(segments · per_head, rows)`` over the whole buffer, in the entries' dtype: row
+        ``s · per_head + j`` (query row ``j`` of segment ``s``) is 0 where a buffer row holds an entry of segment ``s``
+        and −inf elsewhere (slack, and every other segment's rows). It masks one call over the whole buffer to each
+        query row's own held entries (strided runs at batch 1: ``grouped_decode``). Built once per layout and buffers
+        (from the host bookkeeping, one copy to the device) and kept by decoding appends, which open each segment's
+        new row in place: a step then masks with it as it is. While it is kept, appends keep no other validity than
+        an additive one a decoding step already asked for (:meth:`row_bias`)."""
+        cached = self._one_call_mask
+        if cached is not None and cached[0] is self.keys and cached[1] == per_head:
+            return cached[2]
+        rows = torch.arange(self.keys.shape[0])
+        start, length = self.start, self.length
+        held = (rows[None, :] >= start[:, None]) & (rows[None, :] < (start + length)[:, None])  # (segments, rows)
+        mask = torch.zeros(held.shape, dtype=self.dtype).masked_fill_(~held, float("-inf"))
+        mask = mask.repeat_interleave(per_head, dim=0).to(self.device)
+        segments = torch.arange(self.segments, device=self.device)  # what an append indexes the mask's rows with
+        self._one_call_mask = (self.keys, per_head, mask, segments)
+        if self._row_bias is None:
+            self._row_valid = None  # derived from the host bookkeeping again when next asked; appends skip it
+        return mask
 
     def padded_decoding_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A padded layout's keys and values ``(batch, heads, L, d)`` and :meth:`row_bias` ``(batch, heads, L)`` up to

@@ -12,14 +12,17 @@ on a CPU with several threads a head of at least ``SPLIT_DECODING_LENGTH`` entri
 (:func:`~kvsieve.attention.kernel.split_decoding_attention`: one call runs on one thread). A layout cut into
 strided runs (``StoreCompaction.plan_runs``) has each group's segments back to back with one capacity: the group is
 attended as a view of the buffers with its rows' validity, no gather; the views and the run order are built once per
-layout (``StoreLayout.run_views``), so a step reorders its queries and outputs with one index each, or none.
+layout (``StoreLayout.run_views``), so a step reorders its queries and outputs with one index each, or none. On a
+CPU, strided runs of a layer with few segments (batch 1: ``length_groups.ONE_CALL_SEGMENTS``) are attended in one call
+over the whole buffer instead, each query row masked to its own segment's entries (``StoreLayout.one_call_mask``):
+the same attention, rounded as one call over more (masked) rows rounds it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvsieve.attention.kernel import split_decoding_attention
+from kvsieve.attention.kernel import split_decoding_attention, splits_decoding
 from kvsieve.cache import length_groups
 from kvsieve.cache.length_groups import LengthGroup
 from kvsieve.cache.store import LayerStore
@@ -67,9 +70,13 @@ def _runs_output(store: LayerStore, groups: list[tuple[LengthGroup, int]], queri
     its zero-copy view — narrowed to its width where its members hold as many entries (a run of one head of at least
     ``SPLIT_DECODING_LENGTH`` entries: split across the threads), else whole with its rows' validity (the slack rows
     are invalid: masked, a few more slots instead of three views per step) — the queries put in run order and the
-    outputs back in segment order with one index each (none where the runs lie in segment order)."""
+    outputs back in segment order with one index each (none where the runs lie in segment order). On a CPU with few
+    segments and no head long enough to split, one call over the whole buffer instead (:func:`_one_call_output`)."""
+    segments, per_head, dim = queries.shape
+    longest = max(width for _, width in groups)  # a head cut across the threads keeps its own call
+    if length_groups.attends_in_one_call(segments, queries.device) and not splits_decoding(longest, queries.device):
+        return _one_call_output(store, queries, scaling)
     views = store.run_views()
-    per_head, dim = queries.shape[1], queries.shape[2]
     if views.order is not None:
         queries = queries.index_select(0, views.order)
     outputs = []
@@ -86,6 +93,20 @@ def _runs_output(store: LayerStore, groups: list[tuple[LengthGroup, int]], queri
             query.view(count, 1, per_head, dim), keys, values, attn_mask=bias, scale=scaling))
     output = torch.cat(outputs).view(-1, per_head, dim)
     return output if views.inverse is None else output.index_select(0, views.inverse)
+
+
+def _one_call_output(store: LayerStore, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention output ``(segments, per_head, d)`` of a layout's decoding queries in one call over its whole buffer:
+    the ``segments · per_head`` query rows are the rows of one SDPA call, each masked to the rows its segment holds
+    (``StoreLayout.one_call_mask``, kept by the appends: slack and other segments' rows are −inf, so they add exact
+    zeros)."""
+    segments, per_head, dim = queries.shape
+    rows = store.keys.shape[0]
+    mask = store.one_call_mask(per_head).view(1, 1, segments * per_head, rows)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        queries.reshape(1, 1, segments * per_head, dim), store.keys.view(1, 1, rows, dim),
+        store.values.view(1, 1, rows, dim), attn_mask=mask, scale=scaling)
+    return output.view(segments, per_head, dim)
 
 
 def _one_head(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
