@@ -89,10 +89,11 @@ class StoreAppend(StoreLayout):
     def _append_one_each(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
         """Decoding on a ragged layout: one entry per segment, written in place; bookkeeping by increments."""
         segs = self.segments
-        table = self._next_rows
-        if table is None or self._next_step == table.shape[0]:  # each segment's next rows for the next steps, once
+        rows_ahead = self._next_rows
+        if rows_ahead is None or self._next_step == len(rows_ahead):  # each segment's next rows, steps ahead, once
             steps = torch.arange(min(self._min_slack, ROW_TABLE_STEPS), dtype=torch.long)
-            table = self._next_rows = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
+            table = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
+            rows_ahead = self._next_rows = table.unbind(0)  # one view per step, made at once
             self._next_step = 0
             # free rows until these steps write them: their side data starts at its fill and their positions at the
             # ones consecutive steps give them now, once (a step whose position differs writes its own)
@@ -102,7 +103,7 @@ class StoreAppend(StoreLayout):
             self._table_position = position
             ahead = (position + steps).to(self.device)[:, None].expand(table.shape)
             self.positions.index_copy_(0, rows, ahead.reshape(-1))
-        dst = table[self._next_step]  # a view: no device operation per step for the rows
+        dst = rows_ahead[self._next_step]  # a view made ahead: no tensor operation per step for the rows
         if position != self._table_position + self._next_step:
             self.positions.index_fill_(0, dst, position)
         self._next_step += 1

@@ -86,8 +86,8 @@ class StoreLayout:
         self._segment_lookup: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._dense_cache: DenseView | None = None
         self._gather_cache: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        #: A ragged layout's next rows per decoding step ``(steps, segments)`` and the next step's index in it.
-        self._next_rows: torch.Tensor | None = None
+        #: A ragged layout's next rows, one ``(segments,)`` view per decoding step ahead, and the next step's index.
+        self._next_rows: tuple[torch.Tensor, ...] | None = None
         self._next_step = 0
         #: The position the table's first step was written for (positions of consecutive steps are written ahead).
         self._table_position = 0
