@@ -95,6 +95,7 @@ class StoreAppend(StoreLayout):
             table = ((self._start + self._length)[None, :] + steps[:, None]).to(self.device)
             rows_ahead = self._next_rows = table.unbind(0)  # one view per step, made at once
             self._next_step = 0
+            self._mask_cells = None  # the one-call mask's cells for these steps, made when first asked
             # free rows until these steps write them: their side data starts at its fill and their positions at the
             # ones consecutive steps give them now, once (a step whose position differs writes its own)
             rows = table.reshape(-1)
@@ -103,8 +104,9 @@ class StoreAppend(StoreLayout):
             self._table_position = position
             ahead = (position + steps).to(self.device)[:, None].expand(table.shape)
             self.positions.index_copy_(0, rows, ahead.reshape(-1))
-        dst = rows_ahead[self._next_step]  # a view made ahead: no tensor operation per step for the rows
-        if position != self._table_position + self._next_step:
+        step = self._next_step
+        dst = rows_ahead[step]  # a view made ahead: no tensor operation per step for the rows
+        if position != self._table_position + step:
             self.positions.index_fill_(0, dst, position)
         self._next_step += 1
         if keys.dtype != self.dtype:
@@ -112,8 +114,7 @@ class StoreAppend(StoreLayout):
         self.keys.index_copy_(0, dst, keys.reshape(segs, self.head_dim))
         self.values.index_copy_(0, dst, values.reshape(segs, self.head_dim))
         if self._one_call_mask is not None:  # each segment's new row opened to its own query rows
-            _, per_head, mask, segments = self._one_call_mask
-            mask.view(segs, per_head, -1)[segments, :, dst] = 0.0
+            self._one_call_mask[2].view(-1).index_fill_(0, self._mask_cells_ahead()[step], 0.0)
         if self._row_bias is not None:  # the validity as the additive mask decoding reads; the boolean one from it
             self._row_bias.index_fill_(0, dst, 0.0)
             self._row_valid = None

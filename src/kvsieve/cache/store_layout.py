@@ -103,8 +103,10 @@ class StoreLayout:
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
         #: Which rows each query row of a one-call decoding step sees, as an additive mask (:meth:`one_call_mask`),
-        #: with the buffers it covers, the query rows per segment it was built for and the segments' indices.
-        self._one_call_mask: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+        #: with the buffers it covers and the query rows per segment it was built for.
+        self._one_call_mask: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        #: Per decoding step ahead (:attr:`_next_rows`), the flat cells of that mask the step's rows open.
+        self._mask_cells: tuple[torch.Tensor, ...] | None = None
         #: A padded layout's buffers and bias viewed ``(batch, heads, capacity, ...)`` (:meth:`padded_decoding_views`),
         #: with the tensors they view.
         self._padded_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, CapacityViews] | None = None
@@ -179,6 +181,7 @@ class StoreLayout:
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise
         self._one_call_mask = None
+        self._mask_cells = None
         self._row_valid = None
         self._row_bias = None
         self._segment_lookup = None
@@ -303,11 +306,23 @@ class StoreLayout:
         held = (rows[None, :] >= start[:, None]) & (rows[None, :] < (start + length)[:, None])  # (segments, rows)
         mask = torch.zeros(held.shape, dtype=self.dtype).masked_fill_(~held, float("-inf"))
         mask = mask.repeat_interleave(per_head, dim=0).to(self.device)
-        segments = torch.arange(self.segments, device=self.device)  # what an append indexes the mask's rows with
-        self._one_call_mask = (self.keys, per_head, mask, segments)
+        self._one_call_mask = (self.keys, per_head, mask)
+        self._mask_cells = None
         if self._row_bias is None:
             self._row_valid = None  # derived from the host bookkeeping again when next asked; appends skip it
         return mask
+
+    def _mask_cells_ahead(self) -> tuple[torch.Tensor, ...]:
+        """For each decoding step ahead (:attr:`_next_rows`), the flat cells of :meth:`one_call_mask` its rows open:
+        row ``r`` of segment ``s`` for the segment's query rows ``s · per_head + j``. Made once per table of steps
+        (one view per step), so an append opens its rows with one ``index_fill``."""
+        if self._mask_cells is None:
+            assert self._one_call_mask is not None and self._next_rows is not None
+            _, per_head, mask = self._one_call_mask
+            table = torch.stack(self._next_rows)  # (steps, segments)
+            query_rows = torch.arange(mask.shape[0], device=table.device) * mask.shape[1]
+            self._mask_cells = (query_rows[None, :] + table.repeat_interleave(per_head, dim=1)).unbind(0)
+        return self._mask_cells
 
     def padded_decoding_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A padded layout's keys and values ``(batch, heads, L, d)`` and :meth:`row_bias` ``(batch, heads, L)`` up to
