@@ -73,6 +73,21 @@ def test_partitions_hold_the_fewest_padded_slots_for_each_number_of_runs(lengths
             assert longest == max(own) and equal == (min(own) == max(own))
 
 
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=length_groups.SMALL_PARTITION),
+       st.sampled_from([1, 7, 150]))
+def test_small_partitions_on_python_ints_equal_the_tensor_programme(lengths, scale):
+    """Up to ``SMALL_PARTITION`` segments the programme runs on Python ints: the same slots, runs, members (in the same
+    stable order), longest and equal flags as the tensor programme, ties included (small values repeat often)."""
+    counts = torch.tensor(lengths) * scale
+    small, tensors = length_groups._small_partitions(counts), length_groups._tensor_partitions(counts)
+    assert sorted(small) == sorted(tensors)
+    for g, (slots, runs) in tensors.items():
+        assert small[g][0] == slots and len(small[g][1]) == len(runs)
+        for (members, longest, equal), (twin, twin_longest, twin_equal) in zip(small[g][1], runs, strict=True):
+            assert torch.equal(members, twin) and longest == twin_longest and equal == twin_equal
+
+
 def ragged_decoding_step(batch: int, kv_heads: int, groups: int, lengths: list[int], seed: int = 0,
                          strided: bool = False) -> LayerStep:
     """A decoding step of a store whose segments hold ``lengths`` entries (then one more, appended in place); the

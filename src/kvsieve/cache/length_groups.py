@@ -131,7 +131,14 @@ def partitions(lengths: torch.Tensor) -> dict[int, tuple[int, list[Run]]]:
     ``lengths`` (host ``long`` ``(segments,)``) into ``g`` runs holding the fewest padded slots (a run pads every
     segment to its longest): ``{g: (slots, [(segments, longest, equal), ...])}``. One dynamic programme over the
     sorted lengths, each of its ``g`` rounds one ``(segments + 1)²`` tensor operation (a batch of 64 with 8 KV heads
-    plans in milliseconds)."""
+    plans in milliseconds). Up to :data:`SMALL_PARTITION` segments the same programme runs on Python ints (a batch-1
+    layer: one compaction of DBTrimKV's global budget plans 30 layers twice each; ~30 tensor operations per plan
+    cost more than the arithmetic), with the same result, ties included."""
+    return _small_partitions(lengths) if lengths.numel() <= SMALL_PARTITION else _tensor_partitions(lengths)
+
+
+def _tensor_partitions(lengths: torch.Tensor) -> dict[int, tuple[int, list[Run]]]:
+    """:func:`partitions` as tensor operations, each round one ``(segments + 1)²`` operation."""
     count = lengths.numel()
     order = torch.argsort(lengths, stable=True)
     ordered = lengths[order].to(torch.float64)
@@ -155,6 +162,45 @@ def partitions(lengths: torch.Tensor) -> dict[int, tuple[int, list[Run]]]:
             begin = int(round_cuts[end - 1])
             members = order[begin:end]
             runs.append((members, int(lengths[order[end - 1]]), int(ordered[begin]) == int(ordered[end - 1])))
+            end = begin
+        out[g] = (int(best[count]), runs[::-1])
+    return out
+
+
+#: Segments up to which :func:`partitions` runs its programme on Python ints rather than tensors (measured: 43 vs
+#: 195 µs at 3 segments, 141 vs 214 at 32; even near 44).
+SMALL_PARTITION = 32
+
+
+def _small_partitions(lengths: torch.Tensor) -> dict[int, tuple[int, list[Run]]]:
+    """:func:`partitions` on Python ints: the same cuts (the first ``j`` on ties, as ``min`` along a dimension
+    returns it) and the same runs, members as views of the same stable sort."""
+    values = lengths.tolist()
+    count = len(values)
+    order_list = sorted(range(count), key=values.__getitem__)  # stable, as ``argsort(stable=True)``
+    order = torch.tensor(order_list, dtype=torch.long)
+    ordered = [values[i] for i in order_list]
+    infinite = float("inf")
+    best: list[float] = [0.0] + [infinite] * count
+    cuts: list[list[int]] = []
+    out: dict[int, tuple[int, list[Run]]] = {}
+    for g in range(1, min(MAX_GROUPS, count) + 1):
+        round_best, round_cut = [infinite], []
+        for end in range(1, count + 1):  # run (begin, end] pads to ordered[end - 1]
+            longest, least, where = ordered[end - 1], infinite, 0
+            for begin in range(end):
+                total = best[begin] + (end - begin) * longest
+                if total < least:
+                    least, where = total, begin
+            round_best.append(least)
+            round_cut.append(where)
+        best = round_best
+        cuts.append(round_cut)
+        runs: list[Run] = []
+        end = count
+        for each in reversed(cuts):
+            begin = each[end - 1]
+            runs.append((order[begin:end], values[order_list[end - 1]], ordered[begin] == ordered[end - 1]))
             end = begin
         out[g] = (int(best[count]), runs[::-1])
     return out
