@@ -609,7 +609,8 @@ def test_strided_runs_survive_batch_selection_and_a_saved_copy():
 def test_padded_and_compact_layouts_hold_the_same_entries(data):
     """Property: whatever each segment keeps, then any mix of decoding appends, ragged prompt appends (some tokens
     padding) and further compactions, stores laid out padded, in strided runs and compact hold the same entries —
-    lengths, keys, values, positions and side data per segment, and the same dense view on every valid slot."""
+    lengths, keys, values, positions and side data per segment, and the same dense view on every valid slot; the
+    rows' totals each keeps (``row_totals``) are its lengths' sums."""
     stores = {}
     for layout in ("padded", "strided", "compact"):
         store = make_store()
@@ -657,6 +658,8 @@ def test_padded_and_compact_layouts_hold_the_same_entries(data):
         _same_entries_and_views(stores["padded"], stores["compact"])  # views read between actions too
         _same_entries_and_views(stores["strided"], stores["compact"])
         check_rows_map_to_their_segments(stores["strided"])
+        for store in stores.values():  # the rows' totals kept by the appends are the lengths' sums
+            assert store.row_totals() == store.lengths().sum(dim=1).tolist()
 
 
 def test_heads_too_uneven_to_pad_but_too_even_to_group_are_laid_out_in_runs_not_compact():

@@ -137,6 +137,8 @@ class StoreAppend(StoreLayout):
             self._next_cols = None
         self._appended = (dst, None)  # one row per segment
         self._decoded += 1  # every segment's length, brought up to date when read (``StoreLayout._length``)
+        if self._row_totals is not None:  # each row's total: one entry per head more
+            self._row_totals = [total + self.heads for total in self._row_totals]
         self._max_length += 1
         self._min_slack -= 1
         for hook in self.hooks:

@@ -105,6 +105,8 @@ class StoreLayout:
         #: Which rows each query row of a one-call decoding step sees, as an additive mask (:meth:`one_call_mask`),
         #: with the buffers it covers and the query rows per segment it was built for.
         self._one_call_mask: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        #: A ragged layout's entries per batch row (:meth:`row_totals`), kept by decoding appends.
+        self._row_totals: list[int] | None = None
         #: Per decoding step ahead (:attr:`_next_rows`), the flat cells of that mask the step's rows open.
         self._mask_cells: tuple[torch.Tensor, ...] | None = None
         #: A padded layout's buffers and bias viewed ``(batch, heads, capacity, ...)`` (:meth:`padded_decoding_views`),
@@ -182,6 +184,7 @@ class StoreLayout:
         self._padded_cache = None  # likewise
         self._one_call_mask = None
         self._mask_cells = None
+        self._row_totals = None
         self._row_valid = None
         self._row_bias = None
         self._segment_lookup = None
@@ -355,6 +358,16 @@ class StoreLayout:
     def lengths(self) -> torch.Tensor:
         """Entries held per (batch item, KV head), shape ``(batch, heads)`` (host tensor)."""
         return self.length.view(self.batch, self.heads).clone()
+
+    def row_totals(self) -> list[int]:
+        """Entries held per batch row, every head counted, as Python ints (what a global budget compares with its
+        limit at every decoding step: no tensor operation then). A ragged layout's are computed once per layout and
+        kept by decoding appends."""
+        if self._uniform is not None:
+            return [self._uniform[0] * self.heads] * self.batch
+        if self._row_totals is None:
+            self._row_totals = [int(total) for total in self._length.view(self.batch, self.heads).sum(dim=1).tolist()]
+        return self._row_totals
 
     def total_entries(self) -> int:
         if self._uniform is not None:

@@ -60,6 +60,12 @@ class StoreTiers(StoreCompaction):
             out = out + tier.lengths()
         return out
 
+    def row_totals(self) -> list[int]:
+        """Entries held per batch row, every head and tier counted (Python ints)."""
+        if not self.tiers:
+            return super().row_totals()
+        return [int(total) for total in self.lengths().sum(dim=1).tolist()]
+
     def tier_lengths_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`tier_lengths` on ``device``, kept until the tiers change (a decoding append reads it at every step
         of a selector's hooks: no host-to-device copy then)."""

@@ -95,21 +95,22 @@ class GlobalPlans:
         heads = step.store.heads
         mixed = bool(getattr(self.policy.action, "shares", ()))  # a byte budget: count bytes, in full entries
 
-        def held(store: LayerStore) -> torch.Tensor:
+        def held(store: LayerStore) -> list[int]:
             if mixed:
-                return torch.ceil(store.full_entry_units().view(store.batch, store.heads).sum(dim=1)).long()
-            return store.lengths().sum(dim=1)
+                units = torch.ceil(store.full_entry_units().view(store.batch, store.heads).sum(dim=1)).long()
+                return [int(unit) for unit in units.tolist()]
+            return store.row_totals()  # Python ints, kept by the store: no tensor operation per layer and step
 
         # held by this (already appended) layer, plus what the other managed layers will hold after their append
-        total = held(step.store) + step.q_len * heads * (len(self.managed) - 1)
+        totals = [total + step.q_len * heads * (len(self.managed) - 1) for total in held(step.store)]
         for other in (layers[i].store for i in self.managed):
             if other is not None and other is not step.store:
-                total = total + held(other)
+                totals = [total + more for total, more in zip(totals, held(other), strict=True)]
         # the slack (``buffer`` per head) counts every head of every managed layer, as the budget does
         managed_heads = heads * len(self.managed)
         limit = (total_budget or 0) * heads
         fires = self.policy.schedule.fires_total
-        return torch.tensor([fires(True, int(t), limit, managed_heads) for t in total.tolist()])
+        return torch.tensor([fires(True, total, limit, managed_heads) for total in totals])
 
     def _act(self) -> None:
         """Allocate across the collected layers, then plan and execute (or defer) each layer's plan."""
