@@ -33,6 +33,8 @@ import pytest
 import torch
 from conftest import get_model
 from helpers import left_pad, prompt, with_test_gates
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvsieve
 from kvsieve.core.part import PolicyConfigError
@@ -474,6 +476,48 @@ def test_adaptive_counts_row_alone_equals_row_in_padded_batch():
             assert torch.equal(alone[0], batch[0]), (total, floor, alone, batch)
             assert (alone >= 2).all()  # protected entries are never dropped
             assert int(alone.sum()) == max(total, 2 * max(int(floor), 2))  # max(total, Σ max(floor, protected))
+
+
+def _adaptive_counts_by_full_sort(scores: torch.Tensor, total: torch.Tensor, floor: torch.Tensor,
+                                  lengths: torch.Tensor) -> torch.Tensor:
+    """The allocation as a stable sort of each row's candidates picks it (the specification ``adaptive_counts``'s
+    selection by threshold must equal, ties included)."""
+    batch, heads, length = scores.shape
+    floor = floor.view(batch, 1) if floor.dim() == 1 else floor
+    protected = torch.isposinf(scores).sum(dim=-1)
+    base = torch.minimum(torch.maximum(floor.expand(batch, heads), protected), lengths)
+    remaining = (total - base.sum(dim=1)).clamp(min=0)
+    ordered = torch.sort(scores.float(), dim=-1, descending=True).values
+    rank = torch.arange(length).view(1, 1, -1)
+    candidates = ordered.masked_fill(rank < base.unsqueeze(-1), float("-inf")).reshape(batch, heads * length)
+    values, index = torch.sort(candidates, dim=-1, descending=True, stable=True)
+    chosen = (torch.arange(heads * length)[None, :] < remaining[:, None]) & (values > float("-inf"))
+    extra = torch.zeros(batch, heads, dtype=torch.long).scatter_add_(1, index // length, chosen.long())
+    return torch.minimum(base + extra, lengths)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 12), st.integers(0, 3), st.integers(0, 10_000))
+def test_adaptive_counts_select_by_threshold_as_a_full_stable_sort_would(batch, heads, length, levels, seed):
+    """Property: the selection by threshold keeps, per head, what a stable sort of every candidate keeps — with ties
+    across heads (scores drawn from few levels), protected ``+inf`` entries, ``-inf`` padding, per-row totals below,
+    at and above what the rows hold, and per-head floors."""
+    from kvsieve.ops.adaptive_counts import adaptive_counts
+
+    generator = torch.Generator().manual_seed(seed)
+    if levels:  # few distinct values: ties everywhere
+        scores = torch.randint(0, levels + 1, (batch, heads, length), generator=generator).float()
+    else:
+        scores = torch.rand(batch, heads, length, generator=generator)
+    lengths = torch.randint(0, length + 1, (batch, heads), generator=generator)
+    slot = torch.arange(length).view(1, 1, -1)
+    scores = scores.masked_fill(slot >= lengths.unsqueeze(-1), float("-inf"))  # padding
+    protect = (torch.rand(batch, heads, length, generator=generator) < 0.15) & (slot < lengths.unsqueeze(-1))
+    scores = scores.masked_fill(protect, float("inf"))
+    total = torch.randint(0, heads * length + 3, (batch,), generator=generator)
+    floor = torch.randint(0, 3, (batch, heads) if seed % 2 else (batch,), generator=generator)
+    expected = _adaptive_counts_by_full_sort(scores, total, floor, lengths)
+    assert torch.equal(adaptive_counts(scores, total, floor, lengths), expected)
 
 
 def test_adaptive_total_is_the_sum_of_per_head_nominal_budgets():

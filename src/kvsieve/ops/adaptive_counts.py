@@ -39,12 +39,20 @@ def adaptive_counts(
         return base
     ordered = torch.sort(scores.float(), dim=-1, descending=True).values
     rank = torch.arange(length, device=scores.device).view(1, 1, -1)
-    candidates = ordered.masked_fill(rank < base.unsqueeze(-1), float("-inf")).reshape(batch, heads * length)
-    # A full stable sort of each row (not a top-k whose width is the batch's largest remainder): equal scores
-    # go to the lower (head, rank), whatever the other rows and the padded width L.
-    values, index = torch.sort(candidates, dim=-1, descending=True, stable=True)
-    order = torch.arange(heads * length, device=scores.device)[None, :]
-    chosen = (order < remaining[:, None].to(scores.device)) & (values > float("-inf"))
-    extra = torch.zeros(batch, heads, dtype=torch.long, device=scores.device)
-    extra.scatter_add_(1, index // length, chosen.long())
-    return torch.minimum(base + extra, lengths)
+    candidates = ordered.masked_fill(rank < base.unsqueeze(-1), float("-inf"))  # each head past its base
+    # The row's `take` highest candidates, equal scores going to the lower (head, rank) — what a stable sort of the
+    # row's (head, rank)-ordered candidates would pick — found by value: the take-th highest candidate is the
+    # threshold; every candidate above it is kept, and of those equal to it the first ones in head order. A top-k
+    # of the batch's largest take only gives each row its own threshold (its take-th value): no sort of every entry.
+    take = torch.minimum(remaining.to(scores.device), (candidates > float("-inf")).sum(dim=(1, 2)))
+    most = int(take.max())
+    if most == 0:
+        return base
+    top = torch.topk(candidates.reshape(batch, heads * length), most, dim=-1).values
+    threshold = top.gather(1, (take - 1).clamp(min=0)[:, None]).masked_fill(take[:, None] == 0, float("inf"))
+    threshold = threshold.view(batch, 1, 1)
+    above = (candidates > threshold).sum(dim=-1)  # (batch, heads)
+    ties = (candidates == threshold).sum(dim=-1)
+    left = take[:, None] - above.sum(dim=1, keepdim=True)  # ties still to keep, by head order
+    tied = torch.minimum((left - (ties.cumsum(dim=1) - ties)).clamp(min=0), ties)
+    return torch.minimum(base + above + tied, lengths)
