@@ -79,5 +79,6 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
         total = self.keys.nbytes + self.values.nbytes + self.positions.nbytes
         total += sum(t.nbytes for t in (self._row_valid, self._row_bias) if t is not None)
         total += 0 if self._one_call_mask is None else self._one_call_mask[2].nbytes
-        total += sum(t.nbytes for t in self.extras.values()) + sum(tier.nbytes() for tier in self.tiers)
+        total += sum(t.nbytes for t in self._extras.values()) + sum(tier.nbytes() for tier in self.tiers)
+        total += self.deferred_nbytes()
         return total + sum(hook.nbytes() for hook in self.hooks)

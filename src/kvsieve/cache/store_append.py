@@ -7,8 +7,11 @@ increments), after moving every segment into larger buffers otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from kvsieve.cache.deferred_side import DeferredSide
 from kvsieve.cache.side_data import SideSpec
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
@@ -41,10 +44,15 @@ class StoreAppend(StoreLayout):
         """
         q = keys.shape[2]
         self._dense_cache = None
+        one_each = token_valid is None and q == 1  # every segment one entry at its end: a decoding step
+        if not one_each:  # deferred side data lies back from the segments' ends by decoding appends only
+            self.settle_deferred()
         if token_valid is None and self._uniform is not None:
             self._append_uniform(keys, values, first_position, q)
         else:
             self._append_ragged(keys, values, first_position, token_valid)
+        self._one_each_appended = one_each
+        self._one_each_appends += one_each  # once written (a growth before it settles with the count before it)
         self.peak_length = max(self.peak_length, self.max_length)
 
     def _append_uniform(self, keys: torch.Tensor, values: torch.Tensor, first_position: int, q: int) -> None:
@@ -61,8 +69,8 @@ class StoreAppend(StoreLayout):
             pos.fill_(first_position)
         else:
             pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(pos.shape))
-        for name in self.extras:
-            self.side_capacity_view(name).narrow(2, length, q).fill_(self.side_specs[name].fill)
+        for name, t in self._extras.items():  # the new slots only: pending deferred values stay pending
+            t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, length, q).fill_(self.side_specs[name].fill)
         self._uniform = (length + q, cap)
         self._appended = (length, q)
         if self.hooks:
@@ -71,6 +79,7 @@ class StoreAppend(StoreLayout):
 
     def _grow_uniform(self, capacity: int) -> None:
         assert self._uniform is not None
+        self.settle_deferred()
         length, cap = self._uniform
         b, h = self.batch, self.heads
 
@@ -99,7 +108,7 @@ class StoreAppend(StoreLayout):
             # free rows until these steps write them: their side data starts at its fill and their positions at the
             # ones consecutive steps give them now, once (a step whose position differs writes its own)
             rows = table.reshape(-1)
-            for name, t in self.extras.items():
+            for name, t in self._extras.items():  # free rows only: pending deferred values stay pending
                 t.index_fill_(0, rows, self.side_specs[name].fill)
             self._table_position = position
             ahead = (position + steps).to(self.device)[:, None].expand(table.shape)
@@ -151,6 +160,7 @@ class StoreAppend(StoreLayout):
         if token_valid is None and q == 1 and self._uniform is None and self._min_slack >= 1:
             self._append_one_each(keys, values, first_position)
             return
+        self.settle_deferred()
         segs = self.segments
         if token_valid is None:
             counts = torch.full((segs,), q, dtype=torch.long)
@@ -194,6 +204,7 @@ class StoreAppend(StoreLayout):
         """Add ``values`` ``(batch, heads, q)`` (one per token of the last append, padding tokens ignored) into
         side data ``name`` of the entries that append wrote: a decoding step touches one row per segment instead
         of the whole dense view (:meth:`add_dense`). Only between an append and the next layout change."""
+        self.settle_deferred()
         record = self._appended
         if record is None:
             raise RuntimeError("add_to_appended: the store changed since its last append (or nothing was appended)")
@@ -214,10 +225,26 @@ class StoreAppend(StoreLayout):
             flat = torch.where(mask, flat, torch.zeros((), dtype=target.dtype, device=target.device))
         target.index_add_(0, rows.reshape(-1), flat.reshape(-1, *target.shape[1:]))
 
+    def defer_to_appended(self, name: str, inputs: torch.Tensor,
+                          compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Side data ``name`` of the last append's entries from ``compute(inputs)``, computed when first read
+        (:mod:`kvsieve.cache.deferred_side`) if that append was a decoding step's one entry per segment, else now
+        (:meth:`add_to_appended`). ``inputs`` ``(batch, 1, ...)``; ``compute`` is the same function at every step."""
+        if self._appended is None:
+            raise RuntimeError("defer_to_appended: the store changed since its last append (or nothing was appended)")
+        if not self._one_each_appended:
+            self.add_to_appended(name, compute(inputs))
+            return
+        side = self._deferred.setdefault(name, DeferredSide(compute))
+        side.inputs.append(inputs)
+        side.appends.append(self._one_each_appends)
+        self._dense_cache = None
+
     def _relayout(self, capacity: torch.Tensor) -> None:
         """Move every segment into fresh buffers with the given per-segment capacity (a padded layout stays
         padded: every segment gets the largest, its free rows copies of its last entry, as a compaction leaves
         them; strided runs stay runs: each run's segments get the run's largest, in the same order)."""
+        self.settle_deferred()
         length, start = self.length, self.start
         padded = self._stride is not None and self.keys.shape[0] > 0
         runs, order = self._runs, None

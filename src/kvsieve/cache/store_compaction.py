@@ -57,6 +57,7 @@ class StoreCompaction(StoreLayout):
         the :meth:`reserving` rows). Returns the flat source rows that were kept (before the move), for
         callers that merge.
         """
+        self.settle_deferred()
         counts = counts.to(torch.long).cpu().reshape(-1)
         kept = int(counts[0]) if counts.numel() else 0
         if self._uniform is not None and kept and bool((counts == kept).all()):
@@ -183,6 +184,7 @@ class StoreCompaction(StoreLayout):
         per segment), each buffer moved by one gather whose index is the layout's cached row table plus one past
         the dropped entry — two device operations to build it instead of the general path's host arithmetic,
         top-k order and count checks."""
+        self.settle_deferred()
         assert self._uniform is not None
         length, cap = self._uniform
         kept = length - 1
@@ -207,6 +209,7 @@ class StoreCompaction(StoreLayout):
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / select batch items (beam search, batch filtering)."""
+        self.settle_deferred()
         index = index.cpu()
         segs = (index[:, None] * self.heads + torch.arange(self.heads)[None, :]).reshape(-1)
         lengths, starts = self.length[segs], self.start[segs]
@@ -232,6 +235,7 @@ class StoreCompaction(StoreLayout):
         self._keep_where(lambda positions: positions >= min_position)
 
     def _keep_where(self, predicate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.settle_deferred()
         view = self.dense()
         keep = predicate(view.positions)
         if view.valid is not None:
@@ -246,12 +250,13 @@ class StoreCompaction(StoreLayout):
 
     def add_dense(self, name: str, values: torch.Tensor) -> None:
         """Add ``(batch, heads, L, ...)`` values (laid out like :meth:`dense`) into side data ``name``."""
+        self.settle_deferred()
         target = self.extras[name]
         self._dense_cache = None
         if self._uniform is not None:
             cap = self._uniform[1]
             view = target.view(self.batch, self.heads, cap, *target.shape[1:])
-            view[:, :, : values.shape[2]] += values.to(target.dtype)
+            view.narrow(2, 0, values.shape[2]).add_(values.to(target.dtype))  # in place: no write-back copy
             return
         index, valid, _ = self.gather_index()
         flat_values = values.reshape(self.segments, -1, *target.shape[1:]).to(target.dtype)
@@ -263,6 +268,7 @@ class StoreCompaction(StoreLayout):
     def write_rows(self, rows: torch.Tensor, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
                    extras: dict[str, torch.Tensor] | None = None) -> None:
         """Overwrite entries at flat ``rows`` in place (merges); positions and layout are unchanged."""
+        self.settle_deferred()
         self._dense_cache = None
         self.written_sides.update(extras or {})
         if keys is not None:

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from kvsieve.cache.deferred_side import DeferredSide
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.cache.length_groups import LengthGroup, RunViews, call_cost, plan_groups
 
@@ -58,6 +59,11 @@ class StoreLayout:
     #: Set while an operation moves entries in several steps (the tiers' keep, batch selection, restore):
     #: hooks are told once, at its end, when the dense view they rebuild from is whole again.
     _hooks_deferred: bool = False
+    #: Whether the last append gave every segment one entry at its end (a decoding step), so side data of its
+    #: entries may be deferred (:meth:`~kvsieve.cache.store_append.StoreAppend.defer_to_appended`).
+    _one_each_appended: bool = False
+    #: Decoding appends of one entry per segment so far (where deferred side data lies: :meth:`settle_deferred`).
+    _one_each_appends: int = 0
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.batch, self.heads, self.head_dim = batch, heads, head_dim
@@ -65,7 +71,9 @@ class StoreLayout:
         self.keys = torch.empty((0, head_dim), dtype=dtype, device=device)
         self.values = torch.empty((0, head_dim), dtype=dtype, device=device)
         self.positions = torch.empty((0,), dtype=torch.long, device=device)
-        self.extras: dict[str, torch.Tensor] = {}
+        self._extras: dict[str, torch.Tensor] = {}
+        #: Side data of decoding entries computed when first read (:mod:`kvsieve.cache.deferred_side`), by field.
+        self._deferred: dict[str, DeferredSide] = {}
         # uniform layout: (length, capacity) per segment; None while ragged (then the tensors below hold it)
         self._uniform: tuple[int, int] | None = (0, 0)
         self._start = self._length = self._capacity = torch.zeros(0, dtype=torch.long)
@@ -112,6 +120,47 @@ class StoreLayout:
         #: A padded layout's buffers and bias viewed ``(batch, heads, capacity, ...)`` (:meth:`padded_decoding_views`),
         #: with the tensors they view.
         self._padded_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, CapacityViews] | None = None
+
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        """Per-entry side data by name, each flat like the buffers (rows × shape); pending deferred values are
+        computed and written first (:meth:`settle_deferred`), so whatever reads or moves side data sees it whole."""
+        if self._deferred:
+            self.settle_deferred()
+        return self._extras
+
+    @extras.setter
+    def extras(self, value: dict[str, torch.Tensor]) -> None:
+        self._extras = value
+
+    def side_names(self) -> tuple[str, ...]:
+        """The side-data fields this store holds (nothing is computed: pending deferred values stay pending)."""
+        return tuple(self._extras)
+
+    def settle_deferred(self) -> None:
+        """Compute every deferred side-data update (:mod:`kvsieve.cache.deferred_side`) and add it to its entries:
+        each input's entries are each segment's newest but as many as decoding appends came after them. Every change
+        of the store other than a decoding append settles first."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, {}
+        for name, side in deferred.items():
+            target = self._extras[name]
+            values = side.values().to(target.dtype)  # (batch, heads, k, ...), the inputs' order
+            back = torch.tensor([self._one_each_appends - count for count in side.appends])  # 0: the newest entry
+            if self._uniform is not None:
+                length, cap = self._uniform
+                view = target.view(self.batch, self.heads, cap, *target.shape[1:])
+                view.index_add_(2, (length - 1 - back).to(self.device), values)
+            else:
+                last = self._start + self._length - 1  # host: each segment's newest entry
+                rows = (last[:, None] - back[None, :]).reshape(-1).to(self.device)
+                target.index_add_(0, rows, values.reshape(-1, *target.shape[1:]))
+        self._dense_cache = None
+
+    def deferred_nbytes(self) -> int:
+        """Bytes the pending deferred inputs hold."""
+        return sum(side.nbytes() for side in self._deferred.values())
 
     def _layout_changed(self) -> None:
         """Tell every hook that entries were removed, moved or reordered (not while deferred)."""
@@ -378,7 +427,7 @@ class StoreLayout:
         """Bytes one held entry costs: key, value, position and its side data."""
         per_entry = (self.keys.element_size() + self.values.element_size()) * self.head_dim
         per_entry += self.positions.element_size()
-        return per_entry + sum(t[:1].nbytes if t.shape[0] else _row_nbytes(t) for t in self.extras.values())
+        return per_entry + sum(t[:1].nbytes if t.shape[0] else _row_nbytes(t) for t in self._extras.values())
 
     def used_nbytes(self) -> int:
         """Bytes of the entries actually held (growth slack excluded)."""

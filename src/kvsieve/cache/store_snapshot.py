@@ -18,6 +18,7 @@ class StoreSnapshot(StoreLayout):
     def entries(self) -> dict[str, torch.Tensor]:
         """Every held entry, compact and in order: ``lengths`` ``(segments,)``, ``keys``/``values``
         ``(Σ lengths, head_dim)``, ``positions`` and each side datum as ``side.<name>`` (for saving)."""
+        self.settle_deferred()
         lengths, starts = self.length, self.start
         offs = torch.arange(self.max_length)
         src = (starts[:, None] + offs[None, :])[offs[None, :] < lengths[:, None]].to(self.device)
@@ -31,6 +32,7 @@ class StoreSnapshot(StoreLayout):
 
         Raises ``ValueError`` naming what does not fit this store (segments, head size, side data).
         """
+        self.settle_deferred()
         lengths = entries["lengths"].to(torch.long).cpu().reshape(-1)
         total = int(lengths.sum())
         if lengths.numel() != self.segments or bool((lengths < 0).any()):

@@ -274,6 +274,7 @@ class StoreTiers(StoreCompaction):
         tier. Everything is read from one view before anything moves. Returns the kept full-precision rows
         (before the move), as the plain store does.
         """
+        self.settle_deferred()
         if not self.tiered and (tiers is None or not bool((tiers > 0).any())):
             return super().keep(local_index, counts)
         view = self.dense()
@@ -351,6 +352,7 @@ class StoreTiers(StoreCompaction):
     def add_dense(self, name: str, values: torch.Tensor) -> None:
         """Add ``(batch, heads, L, ...)`` values laid out like :meth:`dense` into side data ``name``: with tier
         entries, each slot's value goes where its entry lives (the full-precision store or a tier's slot)."""
+        self.settle_deferred()
         if not self.tiered:
             super().add_dense(name, values)
             return
@@ -378,6 +380,7 @@ class StoreTiers(StoreCompaction):
     def entries(self) -> dict[str, torch.Tensor]:
         """The full-precision entries (as the plain store saves them) and each tier's state as
         ``tier.<i>.<name>`` (packed codes, steps and minimums as held: nothing is dequantized to be saved)."""
+        self.settle_deferred()
         out: dict[str, torch.Tensor] = super().entries()  # type: ignore[misc]
         for index, tier in enumerate(self.tiers):
             out.update({f"{TIER_PREFIX}{index}.{name}": tensor for name, tensor in tier.state().items()})
@@ -386,6 +389,7 @@ class StoreTiers(StoreCompaction):
     def restore(self, entries: dict[str, torch.Tensor]) -> None:
         """Hold exactly ``entries`` (as :meth:`entries` returns them), tiers included; every part is checked
         before anything changes (``ValueError`` naming what does not fit)."""
+        self.settle_deferred()
         tiers: dict[int, dict[str, torch.Tensor]] = {}
         for key, tensor in entries.items():
             if key.startswith(TIER_PREFIX):
@@ -408,6 +412,7 @@ class StoreTiers(StoreCompaction):
             self.tiers = built
 
     def select_batch(self, index: torch.Tensor) -> None:
+        self.settle_deferred()
         with self._one_layout_change():
             super().select_batch(index)
             for tier in self.tiers:

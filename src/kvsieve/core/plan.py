@@ -48,3 +48,30 @@ class Plan:
     def kept_local(self, segment: int) -> torch.Tensor:
         """Local indices one segment keeps (for inspection and tests)."""
         return self.keep[segment, : int(self.counts[segment])]
+
+
+class DropOnePlan(Plan):
+    """A :class:`Plan` keeping all but one entry of every segment (every-step decoding eviction), built from the
+    ``dropped`` local indices alone: its ``keep`` — every local index but the dropped one, ascending — is made only
+    when something reads it. The store executes such a plan from ``dropped``
+    (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_one`), so the usual step makes no ``keep`` at all (two
+    device operations less per layer and step)."""
+
+    def __init__(self, dropped: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> None:
+        """``dropped`` ``(segments,)``; ``counts`` ``(segments,)`` host ``long`` (each the kept width);
+        ``offsets``: ``arange(width)`` on ``dropped``'s device."""
+        self._keep: torch.Tensor | None = None
+        self._offsets = offsets
+        super().__init__(None, counts, dropped=dropped)  # type: ignore[arg-type]  # ``keep`` is made on demand
+
+    @property  # type: ignore[override]
+    def keep(self) -> torch.Tensor:
+        if self._keep is None:
+            assert self.dropped is not None
+            offsets = self._offsets[None, :]
+            self._keep = offsets + (offsets >= self.dropped[:, None])
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: torch.Tensor | None) -> None:
+        self._keep = value

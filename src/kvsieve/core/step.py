@@ -49,6 +49,18 @@ class AppendedUpdate:
     values: torch.Tensor
 
 
+@dataclass(frozen=True)
+class DeferredUpdate:
+    """A side-data update for a decoding step's new entries (one per segment) computed later, with later steps' in one
+    batch (:mod:`kvsieve.cache.deferred_side`): this step's ``inputs`` ``(batch, 1, ...)`` and ``compute``, mapping
+    inputs ``(batch, k, ...)`` to values ``(batch, kv_heads, k, ...)`` added to the entries (as an
+    :class:`AppendedUpdate`'s), the same function at every step of a layer. A store that cannot defer (its last append
+    was not one entry per segment) computes it at once."""
+
+    inputs: torch.Tensor
+    compute: Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class LayerStep:
     """One forward (or one block of it) of one layer, after the new entries were appended to the store.

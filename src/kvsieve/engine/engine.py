@@ -32,7 +32,15 @@ import torch
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import padding_from_mask
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import COLUMN_MAXIMA, COLUMN_SUMS, LAYER_INPUTS, WINDOW_ROWS, AppendedUpdate, LayerStep
+from kvsieve.core.step import (
+    COLUMN_MAXIMA,
+    COLUMN_SUMS,
+    LAYER_INPUTS,
+    WINDOW_ROWS,
+    AppendedUpdate,
+    DeferredUpdate,
+    LayerStep,
+)
 from kvsieve.engine import attention_output
 from kvsieve.engine.attention_output import first_prompt_output, held_output
 from kvsieve.engine.deferral import Deferral
@@ -212,7 +220,7 @@ class Engine:
         assert store is not None
         seen = layer.seen
         if self.probe is not None or seen == 0 or store.hooks or store.tiers \
-                or not self._passive_side.issuperset(store.extras) \
+                or not self._passive_side.issuperset(store.side_names()) \
                 or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
         if self._reconstructs and not self.reconstructed and self._deferral.compactions == 0:
@@ -276,7 +284,8 @@ class Engine:
             output = step.output_with_column_sums()
         elif (fused_rows := self._fused_decoding_rows(call, step)) is not None:
             output = step.decoding_output_from_row()
-            if not bool(fused_rows.all()):  # rows that do not compact now keep SDPA, as they would alone
+            if fused_rows is not self._every_row and not bool(fused_rows.all()):  # rows that do not compact now
+                # keep SDPA, as they would alone
                 plain = held_output(self.policy, self._row_configs, call, step, self._deferral.compactions > 0)
                 output = torch.where(fused_rows.to(output.device)[:, None, None, None], output, plain)
         elif self._fuses_probe_maxima(call, step):
@@ -397,7 +406,9 @@ class Engine:
             assert scorer is not None
             updates = scorer.observe(step)
             for name, values in updates.items():
-                if isinstance(values, AppendedUpdate):
+                if isinstance(values, DeferredUpdate):  # computed when first read (a decoding step's entries)
+                    step.store.defer_to_appended(name, values.inputs, values.compute)
+                elif isinstance(values, AppendedUpdate):
                     step.store.add_to_appended(name, values.values)
                 else:
                     step.store.add_dense(name, values)

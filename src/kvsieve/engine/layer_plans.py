@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.core.plan import Plan
+from kvsieve.core.plan import DropOnePlan, Plan
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.parts.actions.base import Action
@@ -27,7 +27,7 @@ class LayerPlans:
         self._window = self._budget_spec.window
         allocator, action = type(policy.allocator), type(policy.action)
         #: :meth:`_drop_one`'s nominal budgets, offsets and host counts per (layout, budget, protection, device)
-        self._drop_tables: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._drop_tables: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
         #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
         self._drops_one = (policy.budget is not None and allocator.allocate is Allocator.allocate
                            and allocator.nominal is Allocator.nominal and action.plan is Action.plan)
@@ -110,8 +110,9 @@ class LayerPlans:
                 torch.full((batch, heads), budget, dtype=torch.long, device=device),
                 torch.arange(length - 1, device=device),
                 torch.full((batch * heads,), length - 1, dtype=torch.long),
+                torch.ones((batch, heads), dtype=torch.long, device=device),
             )
-        nominal, offsets, counts = tables
+        nominal, offsets, counts, ones = tables
         if newest is None:
             candidates = scorer.score(step, nominal)
         elif newest < length:  # the unprotected entries (kept_newest's contract: their raw scores are not +inf)
@@ -119,8 +120,8 @@ class LayerPlans:
         else:
             return None
         lowest, dropped = candidates.min(dim=-1)
-        if bool(((candidates == lowest[..., None]).sum(dim=-1) != 1).any()):  # one host read, as the general path's
-            return None  # a tie for the lowest score (all protected; NaN): top-k's choice, the general path
-        dropped = dropped.reshape(-1)
-        keep = offsets[None, :] + (offsets[None, :] >= dropped[:, None])
-        return Plan(keep, counts.clone(), dropped=dropped)
+        # exactly one lowest score per head (a tie, all protected or NaN: top-k's choice, the general path); one host
+        # read, as the general path's
+        if not torch.equal((candidates == lowest[..., None]).sum(dim=-1), ones):
+            return None
+        return DropOnePlan(dropped.reshape(-1), counts.clone(), offsets)

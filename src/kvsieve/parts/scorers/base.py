@@ -18,7 +18,7 @@ import torch
 
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import Part, PolicyConfigError
-from kvsieve.core.step import AppendedUpdate, LayerStep
+from kvsieve.core.step import AppendedUpdate, DeferredUpdate, LayerStep
 
 if TYPE_CHECKING:
     from kvsieve.core.budget import BudgetSpec
@@ -93,9 +93,10 @@ class Scorer(Part):
                 f"allowed window range is [0, {spec.budget}]"
             )
 
-    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate]:
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate | DeferredUpdate]:
         """Additive updates after every forward (default: none): ``{side name: (batch, kv_heads, L, ...)}`` over
-        the dense view, or an :class:`~kvsieve.core.step.AppendedUpdate` for the forward's new entries only."""
+        the dense view, an :class:`~kvsieve.core.step.AppendedUpdate` for the forward's new entries only, or a
+        :class:`~kvsieve.core.step.DeferredUpdate` computing a decoding step's later, with other steps'."""
         return {}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from kvsieve.cache.store import SideSpec
 from kvsieve.core.part import PolicyConfigError, require_choice, require_int
 from kvsieve.core.preset import Preset
-from kvsieve.core.step import LAYER_INPUTS, AppendedUpdate, LayerStep
+from kvsieve.core.step import LAYER_INPUTS, AppendedUpdate, DeferredUpdate, LayerStep
 from kvsieve.parts.allocators.global_budget import GlobalBudget
 from kvsieve.parts.schedules import Decode
 from kvsieve.parts.scorers.base import ALL_SCHEDULES, Scorer
@@ -56,6 +56,24 @@ def retention_score(log_beta: torch.Tensor, age: torch.Tensor, lookahead: int) -
     """``log G_i(t) = (t + 1 − i)·log β_i + log_horizon`` with ``age = t − i`` (float32)."""
     lb = log_beta.float()
     return (age.float() + 1.0) * lb + log_horizon(lb, lookahead)
+
+
+@dataclass(frozen=True)
+class LayerGate:
+    """One layer's ``log β`` from its attention inputs: ``(batch, tokens, d)`` → ``(batch, kv_heads, tokens)``
+    (float32; repeated per query head when the store keeps one head per query head, ``expand_gqa``). What
+    :meth:`RetentionGate.observe` computes at once for a prompt and hands to the store for a decoding step."""
+
+    gates: RetentionGates
+    layer: int
+    kv_heads: int
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            new = self.gates.log_beta(self.layer, inputs)
+        if new.shape[1] != self.kv_heads:  # expand_gqa: one store head per query head
+            new = new.repeat_interleave(self.kv_heads // new.shape[1], dim=1)
+        return new
 
 
 @dataclass(frozen=True)
@@ -107,14 +125,16 @@ class RetentionGate(Scorer):
             raise RuntimeError(f"{self.name}: gates are not loaded; build the cache with KVCache(model, ...)")
         return loaded
 
-    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate]:
+    def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate | DeferredUpdate]:
         """``log β`` of this forward's new entries, written where the store put them (the held entries' are
-        unchanged: a decoding step touches one row per head)."""
-        with torch.no_grad():
-            new = self._gates().log_beta(step.layer_idx, step.inputs())  # (batch, kv_heads, q)
-        if new.shape[1] != step.kv_heads:  # expand_gqa: one store head per query head
-            new = new.repeat_interleave(step.kv_heads // new.shape[1], dim=1)
-        return {LOG_BETA: AppendedUpdate(new)}
+        unchanged: a decoding step touches one row per head). A decoding step's is deferred: the store keeps the
+        token's layer input and computes the ``log β`` of every step since in one batch when the layer is next planned
+        (or anything else reads its side data): the gates cost a few operations per layer and plan instead of per
+        layer and step (:mod:`kvsieve.cache.deferred_side`)."""
+        gate = LayerGate(self._gates(), step.layer_idx, step.kv_heads)
+        if step.is_decoding and step.q_len == 1 and step.query_valid is None:
+            return {LOG_BETA: DeferredUpdate(step.inputs(), gate)}
+        return {LOG_BETA: AppendedUpdate(gate(step.inputs()))}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         view = step.view
