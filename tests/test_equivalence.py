@@ -324,6 +324,39 @@ def test_prefill_schedule_decoding_takes_the_plain_path_and_equals_the_general_s
         assert any(not layer.store.is_uniform for layer in cache.layers)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("policy", "params"), [
+    ("dbtrimkv", {"budget": 10, "window": 2, "buffer": 3}), ("trimkv", {"budget": 10, "window": 2, "buffer": 3}),
+])
+def test_deferring_scorer_decodes_plainly_between_its_plans_and_equals_the_general_step(
+        arch, fresh_model, dtype, policy, params, monkeypatch):
+    """The retention gates only defer side data at a decoding step: a step that plans nothing takes the plain step
+    (append, defer the gate's input, attend), a step whose schedule fires the general step; bit for bit the
+    general step at every step, and the gates' ``log β`` the same."""
+    from helpers import random_gates
+
+    from kvsieve.engine.engine import Engine
+
+    model = fresh_model(arch).to(dtype)
+    gates = random_gates(model, tied=policy == "dbtrimkv")
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=6)
+    taken, cache = _plain_step_equals_general(model, ids, lambda: kvsieve.KVCache(model, policy, gates=gates,
+                                                                                  **params), monkeypatch)
+    plain_layers = len(cache.layers) - len(sliding_layers(cache))
+    assert sum(taken) > 0 and sum(taken) < len(taken)  # plain between plans, general when the schedule fires
+    assert sum(taken) >= (STEPS - 1) * plain_layers // 2
+    monkeypatch.undo()
+    general = kvsieve.KVCache(model, policy, gates=gates, **params)
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
+    with kvsieve_warnings():
+        generate(model, ids, general, STEPS)
+    for layer in managed_layers(cache):
+        a, b = cache.layers[layer].store.dense(), general.layers[layer].store.dense()
+        valid = torch.ones(a.positions.shape, dtype=torch.bool) if a.valid is None else a.valid
+        assert torch.equal(a.positions[valid], b.positions[valid])
+        assert torch.equal(a.extras["log_beta"][valid], b.extras["log_beta"][valid])
+
+
 def test_a_policy_that_observes_or_compacts_while_decoding_takes_the_general_step(fresh_model, monkeypatch):
     from kvsieve.engine.engine import Engine
 

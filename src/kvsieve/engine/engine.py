@@ -89,8 +89,20 @@ class Engine:
             and not policy.schedule.fires(True, sys.maxsize, 0)
             and not policy.schedule.fires_total(True, sys.maxsize, 0, 1)
         )
-        #: Side data a plain decoding step may leave to the store's append (no decoding step reads or updates it).
-        self._passive_side = frozenset(spec.name for spec in scorer.side()) if observes_probes_only else frozenset()
+        #: ... or whose scorer only defers side data computed from a decoding step's layer inputs (the retention
+        #: gates, :meth:`Scorer.decoding_updates`) under an evicting action: a decoding step that plans nothing
+        #: appends, defers and attends (:meth:`_plain_decoding_step`); one that plans takes the general step.
+        self._defers_plainly = (
+            not self._decodes_plainly and scorer is not None
+            and type(scorer).decoding_updates is not Scorer.decoding_updates
+            and policy.selector is None and not policy.expand_gqa and self._plain_action
+            and not policy.action.quantizes and not policy.hooks()
+            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
+        )
+        #: Side data a plain decoding step may leave to the store's append (no decoding step reads or updates it), or
+        #: hand to the store deferred (:attr:`_defers_plainly`).
+        self._passive_side = frozenset(spec.name for spec in scorer.side()) \
+            if observes_probes_only or self._defers_plainly else frozenset()
         self._side = policy.side()
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
@@ -186,7 +198,8 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
-        if q_len == 1 and self._decodes_plainly and sliding_window is None and not form.explicit:
+        if q_len == 1 and (self._decodes_plainly or self._defers_plainly) and sliding_window is None \
+                and not form.explicit:
             output = self._plain_decoding_step(layer, module, query, new_keys, new_values, attention_mask, form)
             if output is not None:
                 return output
@@ -214,8 +227,12 @@ class Engine:
         layout over its buffers with its additive mask, a compact one through one dense view. None (the general
         step runs instead) unless the store holds entries and keeps no hooks, tiers or side data but a probe-only
         scorer's (KVzip's score: the append gives the new entry its fill, as the general step's does), and the new
-        token is real in every row; for KVzip, unless its probe ran (the general step warns). Equality with the
-        general step is tested bit for bit."""
+        token is real in every row; for KVzip, unless its probe ran (the general step warns). A scorer that only
+        defers side data at decoding (the retention gates of ``trimkv``/``dbtrimkv``: :attr:`_defers_plainly`) takes
+        it at every step that plans nothing: the new entry's side data is handed to the store deferred, as the
+        general step's observation hands it; a step whose schedule fires (a layer over its budget plus buffer, or
+        for a global budget a row over its total) takes the general step. Equality with the general step is tested
+        bit for bit."""
         store = layer.store
         assert store is not None
         seen = layer.seen
@@ -225,10 +242,18 @@ class Engine:
             return None
         if self._reconstructs and not self.reconstructed and self._deferral.compactions == 0:
             return None  # the general step warns that the probe has not run
+        defers = self._defers_plainly and not layer.left_alone
+        if defers and self._plans_this_step(layer, store, seen):
+            return None  # this forward plans the layer: the general step scores it
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1
-        layer.take_layer_inputs()
+        inputs = layer.take_layer_inputs()
+        if defers:  # the scorer's side data of the new entry, computed with later steps' (its layer input kept)
+            assert self.policy.scorer is not None and inputs is not None
+            for name, update in (self.policy.scorer.decoding_updates(layer.layer_idx, store.heads, inputs)
+                                 or {}).items():
+                store.defer_to_appended(name, update.inputs, update.compute)
         if not store.is_uniform:  # ragged heads: read in place where the layout allows, else one dense view
             output = attention_output.ragged_decoding_output(store, query, form.scaling)
             if output is None:
@@ -241,6 +266,13 @@ class Engine:
         if self._deferral.compactions > 0 and attention_output.packs_query(query, form, keys.shape[1]):
             return attention_output.packed_decoding_output(query, keys, values, form.scaling)
         return sdpa_attention(module, query, keys, values, None, form.scaling)
+
+    def _plans_this_step(self, layer: LayerState, store: LayerStore, seen: int) -> bool:
+        """Before a decoding step's append: whether this forward plans this managed layer (its schedule fires once
+        the step's entry is appended; a global budget decides for the whole forward at its first managed layer)."""
+        if self._global:
+            return self._global_plans.fires_at_decoding(layer.layer_idx, store, seen, self.layers)
+        return self._plans.fires_decoding(layer.layer_idx, store.max_length + 1)
 
     def observe_only(
         self,

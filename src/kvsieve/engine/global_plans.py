@@ -51,6 +51,8 @@ class GlobalPlans:
         self._pending: list[_Pending] = []
         self._fire_forward = False
         self._rows_over: torch.Tensor | None = None
+        #: The decoding forward whose plan was decided at its first managed layer (its position) and whether it fires.
+        self._decided: tuple[int, bool] | None = None
 
     def clear(self) -> None:
         """Forget the scores of an unfinished forward (the cache was reset)."""
@@ -67,6 +69,7 @@ class GlobalPlans:
             self._pending = []
             self._rows_over = self._rows_over_total(step, layers)
             self._fire_forward = self._rows_over is None or bool(self._rows_over.any())
+            self._decided = (step.first_position, self._fire_forward) if step.is_decoding else None
         deferred = False
         if self._fire_forward:
             scorer = self.policy.scorer
@@ -83,6 +86,17 @@ class GlobalPlans:
             self._act()
         return deferred
 
+    def fires_at_decoding(self, layer_idx: int, store: LayerStore, seen: int, layers: Sequence[LayerState]) -> bool:
+        """Before a one-token decoding step's append to ``store`` (layer ``layer_idx``, ``seen`` tokens so far):
+        whether this forward plans — some row over its total once every managed layer appended — decided at the
+        first managed layer (as :meth:`collect` decides it) and kept for the forward's other layers; True when not
+        decided for this forward (the general step then decides)."""
+        if layer_idx == self.managed[0]:
+            rows = self._rows_over_held(store, 1, layers, appended=False)
+            self._decided = (seen, bool(rows.any()))
+        decided = self._decided
+        return decided is None or decided[0] != seen or decided[1]
+
     def _rows_over_total(self, step: LayerStep, layers: Sequence[LayerState]) -> torch.Tensor | None:
         """Rows (host bool ``(batch,)``) whose total is over the global budget (plus slack) at a decoding
         step; None: every row (a prompt forward, when the schedule compacts prompts). Each row is its own
@@ -90,9 +104,15 @@ class GlobalPlans:
         if not step.is_decoding:
             fires = self.policy.schedule.fires_total(False, 0, None, 0)
             return None if fires else torch.zeros(step.store.batch, dtype=torch.bool)
+        return self._rows_over_held(step.store, step.q_len, layers, appended=True)
+
+    def _rows_over_held(self, store: LayerStore, q_len: int, layers: Sequence[LayerState], appended: bool
+                        ) -> torch.Tensor:
+        """:meth:`_rows_over_total` of a decoding step adding ``q_len`` entries per head to every managed layer,
+        from ``store`` (this layer's: ``appended`` already or not yet) and the other managed layers' stores."""
         budget = self.policy.budget
         total_budget = None if budget is None else sum(self._plans.layer_budget(i) or 0 for i in self.managed)
-        heads = step.store.heads
+        heads = store.heads
         mixed = bool(getattr(self.policy.action, "shares", ()))  # a byte budget: count bytes, in full entries
 
         def held(store: LayerStore) -> list[int]:
@@ -101,10 +121,11 @@ class GlobalPlans:
                 return [int(unit) for unit in units.tolist()]
             return store.row_totals()  # Python ints, kept by the store: no tensor operation per layer and step
 
-        # held by this (already appended) layer, plus what the other managed layers will hold after their append
-        totals = [total + step.q_len * heads * (len(self.managed) - 1) for total in held(step.store)]
+        # held by this layer (after its append), plus what the other managed layers will hold after theirs
+        appends = q_len * heads * (len(self.managed) - (1 if appended else 0))
+        totals = [total + appends for total in held(store)]
         for other in (layers[i].store for i in self.managed):
-            if other is not None and other is not step.store:
+            if other is not None and other is not store:
                 totals = [total + more for total, more in zip(totals, held(other), strict=True)]
         # the slack (``buffer`` per head) counts every head of every managed layer, as the budget does
         managed_heads = heads * len(self.managed)

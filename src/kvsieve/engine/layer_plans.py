@@ -46,6 +46,11 @@ class LayerPlans:
             held = step.store.max_full_entry_units()
         return self.policy.schedule.fires(step.is_decoding, held, self.layer_budget(layer_idx))
 
+    def fires_decoding(self, layer_idx: int, held: int) -> bool:
+        """:meth:`fires` at a decoding step of a store holding at most ``held`` entries per head (counted in entries:
+        no byte budget)."""
+        return self.policy.schedule.fires(True, held, self.layer_budget(layer_idx))
+
     def nominal(self, layer_idx: int, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries held and the nominal budget per (batch, KV head), both on the entries' device.
 

@@ -93,6 +93,13 @@ class Scorer(Part):
                 f"allowed window range is [0, {spec.budget}]"
             )
 
+    def decoding_updates(self, layer_idx: int, kv_heads: int, inputs: torch.Tensor) -> dict[str, DeferredUpdate] | None:
+        """What :meth:`observe` returns at a decoding step of one real token per row, when it only defers side data
+        computed from the step's layer ``inputs`` ``(batch, 1, hidden)`` (the retention gates): the engine's plain
+        decoding step then appends, defers and attends without describing the step. None (the default): the scorer
+        observes otherwise."""
+        return None
+
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate | DeferredUpdate]:
         """Additive updates after every forward (default: none): ``{side name: (batch, kv_heads, L, ...)}`` over
         the dense view, an :class:`~kvsieve.core.step.AppendedUpdate` for the forward's new entries only, or a

@@ -131,10 +131,13 @@ class RetentionGate(Scorer):
         token's layer input and computes the ``log β`` of every step since in one batch when the layer is next planned
         (or anything else reads its side data): the gates cost a few operations per layer and plan instead of per
         layer and step (:mod:`kvsieve.cache.deferred_side`)."""
-        gate = LayerGate(self._gates(), step.layer_idx, step.kv_heads)
         if step.is_decoding and step.q_len == 1 and step.query_valid is None:
-            return {LOG_BETA: DeferredUpdate(step.inputs(), gate)}
-        return {LOG_BETA: AppendedUpdate(gate(step.inputs()))}
+            return self.decoding_updates(step.layer_idx, step.kv_heads, step.inputs())
+        return {LOG_BETA: AppendedUpdate(LayerGate(self._gates(), step.layer_idx, step.kv_heads)(step.inputs()))}
+
+    def decoding_updates(self, layer_idx: int, kv_heads: int, inputs: torch.Tensor) -> dict[str, DeferredUpdate]:
+        """A decoding step's ``log β``, deferred: its layer input and the layer's gate."""
+        return {LOG_BETA: DeferredUpdate(inputs, LayerGate(self._gates(), layer_idx, kv_heads))}
 
     def raw(self, step: LayerStep, nominal: torch.Tensor) -> torch.Tensor:
         view = step.view
