@@ -10,29 +10,52 @@ import torch
 class DenseView:
     """Padded ``(batch, heads, L, ...)`` view of a layer store; ``valid`` is None when nothing is padded.
 
-    Keys and values are materialised at once; positions and side data only when read (a ragged decoding
-    step that needs neither gathers two buffers, not all of them).
+    Positions and side data are made only when read, and so are keys and values given as None with a ``fetch``
+    (a ragged layout's gathered view: a plan that reads only side data and positions — the retention gates' —
+    gathers neither of the two big buffers; a ragged decoding step that needs no side data gathers only them).
     """
 
     def __init__(
         self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
         positions: torch.Tensor | None,
         valid: torch.Tensor | None,
         extras: dict[str, torch.Tensor] | None = None,
         fetch: Callable[[str], torch.Tensor] | None = None,
         side_names: tuple[str, ...] = (),
+        length: int | None = None,
     ):
-        self.keys, self.values, self.valid = keys, values, valid
+        """``keys``/``values`` None: fetched as ``fetch("keys")``/``fetch("values")`` when read (``length``, the
+        view's ``L``, is then given)."""
+        self._keys, self._values, self.valid = keys, values, valid
         self._positions = positions
         self._extras = extras
         self._fetch = fetch
         self._side_names = side_names
+        self._length = length
+
+    @property
+    def keys(self) -> torch.Tensor:
+        if self._keys is None:
+            assert self._fetch is not None
+            self._keys = self._fetch("keys")
+        return self._keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            assert self._fetch is not None
+            self._values = self._fetch("values")
+        return self._values
 
     @property
     def length(self) -> int:
-        return self.keys.shape[2]
+        return self._length if self._length is not None else self.keys.shape[2]
+
+    def built(self) -> tuple[torch.Tensor, ...]:
+        """The keys, values and validity this view holds so far (nothing is fetched)."""
+        return tuple(t for t in (self._keys, self._values, self.valid) if t is not None)
 
     @property
     def positions(self) -> torch.Tensor:

@@ -537,13 +537,14 @@ class StoreLayout:
             def gather(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, flat).view(b, h, max_len, *t.shape[1:])
 
-            def fetch(name: str) -> torch.Tensor:
-                return gather(self.positions if name == "positions" else self.extras[name])
+            buffers = {"keys": self.keys, "values": self.values, "positions": self.positions}
 
-            out = DenseView(
-                gather(self.keys), gather(self.values), None, valid.view(b, h, max_len),
-                None, fetch, tuple(self.extras),
-            )
+            def fetch(name: str) -> torch.Tensor:
+                buffer = buffers.get(name)
+                return gather(self.extras[name] if buffer is None else buffer)
+
+            # every field gathered when first read: a plan that reads side data and positions only gathers no keys
+            out = DenseView(None, None, None, valid.view(b, h, max_len), None, fetch, tuple(self.extras), max_len)
         self._dense_cache = out
         return out
 
@@ -558,7 +559,7 @@ class StoreLayout:
         view = self._dense_cache
         if view is None or self._uniform is not None or self._stride is not None:
             return 0
-        return sum(t.nbytes for t in (view.keys, view.values, view.valid) if t is not None)
+        return sum(t.nbytes for t in view.built())  # what it gathered so far (nothing is gathered to count it)
 
     def release_views(self) -> None:
         """Drop the views built for one layer step (the engine calls it when the step ends). A ragged layout's
