@@ -206,15 +206,17 @@ def _small_partitions(lengths: torch.Tensor) -> dict[int, tuple[int, list[Run]]]
     return out
 
 
-def plan_groups(lengths: torch.Tensor, cost: int | None = None) -> list[Run] | None:
+def plan_groups(lengths: torch.Tensor, cost: int | None = None,
+                cuts: dict[int, tuple[int, list[Run]]] | None = None) -> list[Run] | None:
     """Cut segments sorted by ``lengths`` (host ``long`` ``(segments,)``) into ≤ :data:`MAX_GROUPS` runs that
     minimise padded slots + ``cost`` per run (default: a CPU's :data:`CALL_COST`); None when one padded view is as
-    good (saves less than :data:`MIN_SAVING` of its slots). Returns ``(segments, longest, equal)`` per run."""
+    good (saves less than :data:`MIN_SAVING` of its slots). Returns ``(segments, longest, equal)`` per run.
+    ``cuts``: :func:`partitions` of ``lengths`` when the caller made them already."""
     cost = CALL_COST if cost is None else cost
     count = lengths.numel()
     if count < 2:
         return None
-    cuts = partitions(lengths)
+    cuts = partitions(lengths) if cuts is None else cuts
     groups = min(cuts, key=lambda g: cuts[g][0] + g * cost)
     slots, runs = cuts[groups]
     if groups == 1 or slots > (1 - MIN_SAVING) * count * int(lengths.max()):

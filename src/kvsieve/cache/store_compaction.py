@@ -138,7 +138,8 @@ class StoreCompaction(StoreLayout):
         # without length groups worth their calls, the alternative is the compact layout (the caller pads only
         # under the cap): its step gathers a padded view of every held entry, which runs must cost less than
         compact = None
-        if plan_groups(counts, call_cost(self.device)) is None:
+        every_cut = partitions(counts)  # once: the length groups and the runs below read the same cuts
+        if plan_groups(counts, call_cost(self.device), every_cut) is None:
             if counts.numel() * int(counts.max()) <= padding_limit(counts):
                 return None  # padded: one zero-copy view (:meth:`pads`)
             compact = compact_step_cost(counts.numel(), int(counts.max()), self.device)
@@ -146,7 +147,7 @@ class StoreCompaction(StoreLayout):
                 return None
         # as few runs as the padding cap allows, each one more worth RUN_CALL_COST slots (no gather in a run)
         limit, cost = padding_limit(counts), run_call_cost(self.device)
-        cuts = {g: cut for g, cut in partitions(counts).items() if g >= 2 and cut[0] <= limit}
+        cuts = {g: cut for g, cut in every_cut.items() if g >= 2 and cut[0] <= limit}
         if not cuts:
             return None
         best = min(cuts, key=lambda g: cuts[g][0] + g * cost)
