@@ -245,10 +245,12 @@ class Engine:
         defers = self._defers_plainly and not layer.left_alone
         if defers and self._plans_this_step(layer, store, seen):
             return None  # this forward plans the layer: the general step scores it
+        inputs = layer.take_layer_inputs()
+        if defers and inputs is None:  # refused before the append, as the general step's observation would refuse
+            raise RuntimeError("layer inputs were not captured for this forward (see kvsieve.engine.layer_inputs)")
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1
-        inputs = layer.take_layer_inputs()
         if defers:  # the scorer's side data of the new entry, computed with later steps' (its layer input kept)
             assert self.policy.scorer is not None and inputs is not None
             for name, update in (self.policy.scorer.decoding_updates(layer.layer_idx, store.heads, inputs)
