@@ -341,3 +341,22 @@ def test_query_statistics_are_the_weighted_mean_and_biased_covariance(overwrite)
     assert not mean[2].any() and not cov[2].any()
     if not overwrite:
         assert torch.equal(queries, original)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cake_window_mean_and_variance_are_the_weighted_formula_bit_for_bit(padded):
+    """The window statistics skip the all-ones weights of an unpadded window and square in place: the same mean and
+    unbiased variance, bit for bit, as the weighted formula (a padded window keeps its weights)."""
+    from kvsieve.parts.allocators.cake import window_mean_var
+
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.rand(2, 6, 8, 50, generator=generator).softmax(dim=-1)
+    queries = torch.ones(2, 8, dtype=torch.bool)
+    if padded:
+        queries[0, :3] = False
+    weights = queries.float()[:, None, :, None]
+    count = weights.sum(dim=2)
+    mean = (rows * weights).sum(dim=2) / count.clamp(min=1.0)
+    variance = (((rows - mean.unsqueeze(2)) ** 2) * weights).sum(dim=2) / (count - 1.0).clamp(min=1.0)
+    got_mean, got_variance = window_mean_var(rows, queries if padded else None)
+    assert torch.equal(got_mean, mean) and torch.equal(got_variance, variance)

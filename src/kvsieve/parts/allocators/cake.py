@@ -49,17 +49,16 @@ if TYPE_CHECKING:
 ENTROPY_EPS = 1e-10
 
 
-def window_prefix_rows(step: LayerStep, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def window_prefix_rows(step: LayerStep, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The last ``w`` queries' attention ``(batch, q_heads, w, L)`` with the window's own entries zeroed,
-    the mask of entries before the window ``(batch, kv_heads, L)`` and the real window queries ``(batch, w)``."""
+    the mask of entries before the window ``(batch, kv_heads, L)`` and the real window queries ``(batch, w)`` (None:
+    every one is real)."""
     rows = step.window_rows(max(window, 1))
     w = rows.shape[2]
     first_window_position = step.query_positions[-w]
     prefix = (step.view.positions < first_window_position) & step.entry_valid()
     in_prefix = prefix.repeat_interleave(step.groups, dim=1).unsqueeze(2)
-    queries = torch.ones(rows.shape[0], w, dtype=torch.bool, device=rows.device)
-    if step.query_valid is not None:
-        queries = step.query_valid[:, -w:].to(rows.device)
+    queries = None if step.query_valid is None else step.query_valid[:, -w:].to(rows.device)
     return rows * in_prefix, prefix, queries
 
 
@@ -74,12 +73,22 @@ def window_statistics(step: LayerStep, window: int) -> tuple[torch.Tensor, torch
     return cached
 
 
-def window_mean_var(rows: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance over the real window queries, ``(batch, q_heads, L)`` each."""
+def window_mean_var(rows: torch.Tensor, queries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance over the real window queries ``queries`` ``(batch, w)`` (None: all of them),
+    ``(batch, q_heads, L)`` each.
+
+    Without padding the 0/1 query weights would all be ones: they are not multiplied in (the same sums, bit for
+    bit: ×1.0 is exact), and the squared deviations are made in place: two passes over the window's ``w × L``
+    rows per head instead of five."""
+    if queries is None:
+        count = torch.full((), float(rows.shape[2]), dtype=rows.dtype, device=rows.device)
+        mean = rows.sum(dim=2) / count.clamp(min=1.0)
+        squares = torch.sub(rows, mean.unsqueeze(2)).square_().sum(dim=2)
+        return mean, squares / (count - 1.0).clamp(min=1.0)
     weights = queries.to(rows.dtype)[:, None, :, None]
     count = weights.sum(dim=2)
     mean = (rows * weights).sum(dim=2) / count.clamp(min=1.0)
-    squares = ((rows - mean.unsqueeze(2)) ** 2 * weights).sum(dim=2)
+    squares = torch.sub(rows, mean.unsqueeze(2)).square_().mul_(weights).sum(dim=2)
     return mean, squares / (count - 1.0).clamp(min=1.0)
 
 
@@ -107,7 +116,7 @@ class CakeIndicator(Scorer):
 def layer_preference(step: LayerStep, window: int, tau1: float, tau2: float) -> torch.Tensor:
     """``P = H^{1/τ₁} · V^{1/τ₂}`` of one layer per batch row ``(batch,)`` (Eq. 3–5, float32)."""
     rows, _, var = window_statistics(step, window)
-    entropy = -(rows * torch.log(rows + ENTROPY_EPS)).sum(dim=(1, 2, 3))
+    entropy = -torch.add(rows, ENTROPY_EPS).log_().mul_(rows).sum(dim=(1, 2, 3))  # in place: one buffer
     shift = var.sum(dim=(1, 2))
     return entropy.clamp(min=0.0) ** (1.0 / tau1) * shift.clamp(min=0.0) ** (1.0 / tau2)
 
