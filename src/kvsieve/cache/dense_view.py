@@ -35,19 +35,22 @@ class DenseView:
         self._side_names = side_names
         self._length = length
 
+    def _fetched(self, attribute: str, name: str) -> torch.Tensor:
+        """The field held in ``attribute``, fetched as ``name`` the first time it is read."""
+        value: torch.Tensor | None = getattr(self, attribute)
+        if value is None:
+            assert self._fetch is not None
+            value = self._fetch(name)
+            setattr(self, attribute, value)
+        return value
+
     @property
     def keys(self) -> torch.Tensor:
-        if self._keys is None:
-            assert self._fetch is not None
-            self._keys = self._fetch("keys")
-        return self._keys
+        return self._fetched("_keys", "keys")
 
     @property
     def values(self) -> torch.Tensor:
-        if self._values is None:
-            assert self._fetch is not None
-            self._values = self._fetch("values")
-        return self._values
+        return self._fetched("_values", "values")
 
     @property
     def length(self) -> int:
@@ -59,10 +62,7 @@ class DenseView:
 
     @property
     def positions(self) -> torch.Tensor:
-        if self._positions is None:
-            assert self._fetch is not None
-            self._positions = self._fetch("positions")
-        return self._positions
+        return self._fetched("_positions", "positions")
 
     @property
     def extras(self) -> dict[str, torch.Tensor]:
