@@ -251,8 +251,8 @@ class Engine:
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         layer.forwards += 1
-        if defers:  # the scorer's side data of the new entry, computed with later steps' (its layer input kept)
-            assert self.policy.scorer is not None and inputs is not None
+        if defers and inputs is not None:  # the new entry's side data, computed with later steps' (input kept)
+            assert self.policy.scorer is not None
             for name, update in (self.policy.scorer.decoding_updates(layer.layer_idx, store.heads, inputs)
                                  or {}).items():
                 store.defer_to_appended(name, update.inputs, update.compute)
@@ -318,8 +318,8 @@ class Engine:
             output = step.output_with_column_sums()
         elif (fused_rows := self._fused_decoding_rows(call, step)) is not None:
             output = step.decoding_output_from_row()
-            if fused_rows is not self._every_row and not bool(fused_rows.all()):  # rows that do not compact now
-                # keep SDPA, as they would alone
+            # rows that do not compact now keep SDPA, as they would alone (every row fuses: nothing to check)
+            if fused_rows is not self._every_row and not bool(fused_rows.all()):
                 plain = held_output(self.policy, self._row_configs, call, step, self._deferral.compactions > 0)
                 output = torch.where(fused_rows.to(output.device)[:, None, None, None], output, plain)
         elif self._fuses_probe_maxima(call, step):
