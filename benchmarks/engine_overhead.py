@@ -47,8 +47,18 @@ pass/fail flag.
 for contrast, of the plain DynamicCache) at batch 1 and prints the top entries, so overheads outside
 SDPA show up.
 
+``--decode-policies`` decodes other presets too (each also reported against ``snapkv``: ``X_over_snapkv``), with
+keyword arguments per preset from ``--policy-params`` (JSON, e.g. ``'{"h2o": {"schedule": "decode"}}'``); on a
+random-weight model ``trimkv``/``dbtrimkv`` get random gates (timing only).
+
+On CUDA the plain model's steps run with cuDNN's SDPA kernel switched off, as kvsieve's attention runs
+(:mod:`kvsieve.attention.backends`): the ratio then measures the engine, not cuDNN's plan builds. Rounds replay
+the same key lengths, so they would hide those builds anyway: ``benchmarks/cuda_plan_builds.py`` times steps at new
+lengths, as generation meets them.
+
 Usage: ``python benchmarks/engine_overhead.py [--tokens 4096] [--budget 256] [--batches 1,8]
 [--rounds 5] [--steps 8] [--dtype bfloat16|float32] [--threads N] [--quick]
+[--decode-policies snapkv,adakv,full] [--policy-params JSON]
 [--output benchmarks/results/engine_overhead.json] [--profile]``.
 """
 
@@ -67,7 +77,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -233,9 +243,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def forward_step(model: torch.nn.Module, cache: Any, token: torch.Tensor) -> torch.Tensor:
-    """One decoding forward (the call timed for every cache alike); the greedy next token ``(batch, 1)``."""
-    out = model(token, **cache_kwargs(model, cache), attention_mask=None, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1)
+    """One decoding forward (the call timed for every cache alike); the greedy next token ``(batch, 1)``. A plain
+    cache on CUDA decodes with cuDNN's SDPA kernel off, as kvsieve's attention does (module docstring)."""
+    from kvsieve import KVCache
+    from kvsieve.attention.backends import without_cudnn_attention
+
+    def step() -> torch.Tensor:
+        return model(token, **cache_kwargs(model, cache), attention_mask=None, use_cache=True,
+                     logits_to_keep=1).logits
+
+    logits = step() if isinstance(cache, KVCache) else without_cudnn_attention(token.device, step)
+    return logits[:, -1:].argmax(-1)
 
 
 @dataclass
@@ -313,6 +331,9 @@ def measure_decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.T
                                settings.warmup)
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {f"{p}_over_dynamic": medians[p] / medians[DYNAMIC] for p in settings.decode_policies}
+    if "snapkv" in medians:  # the other scoring methods against the one that holds the same entries cheapest
+        ratios.update({f"{p}_over_snapkv": medians[p] / medians["snapkv"] for p in settings.decode_policies
+                       if p not in ("snapkv", "full")})
     log(f"  b{batch} median ms/step: " + ", ".join(f"{k} {1000 * v:.2f}" for k, v in medians.items())
         + " | " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return {
@@ -384,7 +405,10 @@ def run_benchmark(model: torch.nn.Module, pool: torch.Tensor, settings: Settings
     ``pool`` is a 1-D tensor of at least ``max(batches) * tokens`` token ids.
     """
     plain = plain_twin(model)
-    result: dict[str, Any] = {"settings": asdict(settings), "decode": {}, "prefill": None}
+    shown = {policy: {k: v if isinstance(v, (int, float, str, bool)) else type(v).__name__ for k, v in params.items()}
+             for policy, params in settings.policy_params.items()}  # gates are named, not dumped
+    result: dict[str, Any] = {"settings": {**asdict(replace(settings, policy_params={})), "policy_params": shown},
+                              "decode": {}, "prefill": None}
     with torch.no_grad():
         warm = pool[: min(16, pool.numel())].unsqueeze(0).to(next(iter(model.parameters())).device)
         plain(warm, use_cache=False)  # page the weights in
@@ -479,17 +503,44 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", nargs="?", const="torch", choices=["torch", "cprofile"], default=None,
                         help="only profile snapkv (and DynamicCache) decoding at batch 1 and print the top entries")
     parser.add_argument("--profile-steps", type=int, default=32)
+    parser.add_argument("--decode-policies", default=",".join(DECODE_POLICIES),
+                        help="comma-separated presets decoded against the DynamicCache (and each against snapkv)")
+    parser.add_argument("--policy-params", default="{}",
+                        help='JSON of keyword arguments per preset, e.g. \'{"h2o": {"schedule": "decode"}}\'')
     parser.add_argument("--output", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    chosen = {"decode_policies": tuple(args.decode_policies.split(",")),
+              "policy_params": json.loads(args.policy_params)}
     if args.quick:
         return Settings(tokens=512, budget=64, batches=(1, 2), rounds=1, steps=4, warmup=1, prefill_tokens=512,
-                        prefill_repeats=1)
+                        prefill_repeats=1, **chosen)
     return Settings(tokens=args.tokens, budget=args.budget, batches=tuple(int(b) for b in args.batches.split(",")),
                     rounds=args.rounds, steps=args.steps, warmup=args.warmup,
-                    prefill_tokens=args.prefill_tokens or args.tokens, prefill_repeats=args.prefill_repeats)
+                    prefill_tokens=args.prefill_tokens or args.tokens, prefill_repeats=args.prefill_repeats, **chosen)
+
+
+def with_random_gates(model: torch.nn.Module, settings: Settings) -> Settings:
+    """Random retention gates for ``trimkv``/``dbtrimkv`` on a random-weight model (no shipped gate fits it:
+    they are matched by the weights' fingerprint). The gate logits are O(1), so the ranking is not all ties;
+    timing only: what they keep means nothing."""
+    from kvsieve import list_policies
+    from kvsieve.gates import GateConfig, RetentionGates
+    from kvsieve.parts.scorers.retention import RetentionGate
+
+    params = dict(settings.policy_params)
+    for policy in settings.decode_policies:
+        preset = list_policies().get(policy)
+        if preset is None or not isinstance(preset.scorer, RetentionGate) or "gates" in params.get(policy, {}):
+            continue
+        gates = RetentionGates(GateConfig.for_model(model, tied=policy == "dbtrimkv"), init_std=0.3, seed=0)
+        with torch.no_grad():
+            gates.b_out.fill_(1.0)
+        device = next(iter(model.parameters())).device
+        params[policy] = {**params.get(policy, {}), "gates": gates.requires_grad_(False).to(device)}
+    return replace(settings, policy_params=params)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -516,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from quantize_decode import load
 
         model, pool = load(args.model, dtype, device, need)
+        settings = with_random_gates(model, settings)
     meta = {
         "benchmark": "engine_overhead",
         "model": "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,

@@ -250,3 +250,31 @@ def test_decoding_compositions_match_the_cpu(name: str) -> None:
     for step, (cpu_step, gpu_step) in enumerate(zip(cpu_kept, gpu_kept, strict=True)):
         assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step, strict=True)), step
 
+
+
+def test_kvsieve_attention_runs_without_cudnn_on_cuda(monkeypatch) -> None:
+    """Every SDPA call of a kvsieve decoding step (a ragged ``adakv`` cache: masked, a new key length per layer) runs
+    with cuDNN's kernel switched off — it would build a plan per new shape (``attention/backends.py``) — and the flag
+    is back on afterwards; a plain model's own attention keeps torch's choice."""
+    if CUDA.type != "cuda":
+        pytest.skip("cuDNN's SDPA kernel is a CUDA backend")
+    model = _cuda_model("llama")
+    cache = kvsieve.KVCache(model, "adakv", budget=40)
+    ids = prompt(2, 96, seed=4).to(CUDA)
+    token = model(ids, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    model(token, **cache_kwargs(model, cache), use_cache=True)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    seen.clear()
+    plain = build_model("llama").to(CUDA)
+    plain(ids)
+    assert seen and all(seen)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvsieve.attention.backends import without_cudnn_attention
 from kvsieve.attention.kernel import AttentionForm
 from kvsieve.attention.masks import KvsieveMask
 from kvsieve.transformers_adapter import attention_function, module_eager_attention
@@ -68,7 +69,9 @@ def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, t
                 "gives none for them); use another cache to inspect attention weights",
                 stacklevel=2,
             )
-        return layer.attend(module, query, padding, attention_form(query, kwargs), kwargs.get("sliding_window")), None
+        form, window = attention_form(query, kwargs), kwargs.get("sliding_window")
+        # cuDNN's kernel would build a plan for each new key length: every step, every ragged layer (backends.py)
+        return without_cudnn_attention(query.device, lambda: layer.attend(module, query, padding, form, window)), None
 
     kvsieve_attention_forward.__qualname__ = f"kvsieve_attention_forward[{original}]"
     return kvsieve_attention_forward
