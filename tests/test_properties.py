@@ -327,7 +327,8 @@ def budget_checker(policy: kvsieve.Policy, rows: list[torch.Tensor], program: Pr
                     bound = max(int(stage1_keep(seen, policy.budget).max()), protected) + extra
                 assert int(lengths[layer].max()) <= bound, (layer, lengths[layer].tolist(), bound)
         # (DuoAttention's retrieval heads hold every token: its streaming heads' bound is checked above)
-        if schedule == "blockwise" and not isinstance(policy.allocator, Adaptive) \
+        # (rocketkv_mt marks and holds every entry: no blockwise peak either)
+        if schedule == "blockwise" and policy.evicts and not isinstance(policy.allocator, Adaptive) \
                 and not isinstance(cache.policy.scorer, HeadSplit):
             block = policy.schedule.block_length()
             assert block is not None

@@ -414,3 +414,38 @@ def test_page_statistics_keep_the_key_dtype_exactly():
     for p in range(3):
         chunk = keys[:, :, p * 4 : (p + 1) * 4]
         assert torch.equal(kmax[:, :, p], chunk.amax(2)) and torch.equal(kmin[:, :, p], chunk.amin(2))
+
+
+def test_uniform_decoding_appends_update_pages_in_place_without_host_reads():
+    """A decoding step on a uniform store (one key per segment, the same slot in each) updates its page's max/min in
+    place: the pages equal the held keys' after every step, across page boundaries and page growth, with no device
+    read (``item``/``bool``: a host round trip per layer and step on a GPU) and no scatter index built."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    store = LayerStore(2, 2, 8, torch.float32, torch.device("cpu"))
+    hook = PageMinMax(3)
+    store.add_hook(hook)
+    gen = torch.Generator().manual_seed(3)
+    store.append(torch.randn(2, 2, 7, 8, generator=gen), torch.randn(2, 2, 7, 8, generator=gen), 0, None)
+    for step in range(40):  # 47 entries: 16 pages, past PAGE_GROWTH's slots
+        keys = torch.randn(2, 2, 1, 8, generator=gen)
+        recorder = Recorder()
+        with recorder:
+            store.append(keys, torch.randn(2, 2, 1, 8, generator=gen), 7 + step, None)
+        assert not [op for op in recorder.ops if "_local_scalar_dense" in op or "scatter" in op], recorder.ops
+        kmax, kmin = hook.view(store)
+        held = store.dense().keys
+        n = held.shape[2]
+        for p in range(math.ceil(n / 3)):
+            chunk = held[:, :, 3 * p : min(3 * p + 3, n)]
+            assert torch.equal(kmax[:, :, p], chunk.amax(2)) and torch.equal(kmin[:, :, p], chunk.amin(2))
+        assert (kmax[:, :, math.ceil(n / 3):] == -math.inf).all() and (kmin[:, :, math.ceil(n / 3):] == math.inf).all()

@@ -70,6 +70,9 @@ class PageMinMax(StoreHook):
         self.kmin.view(b, h, self.slots, d)[:, :, :pages] = kmin
 
     def after_append(self, store: LayerStore, rows: torch.Tensor | None, count: int) -> None:
+        if rows is None and count == 1 and not store.tiered:  # a uniform decoding step: one key at the same slot
+            self._one_each_uniform(store)
+            return
         device = store.keys.device
         length = store.length
         if rows is None:  # uniform: ``count`` new entries at the end of every segment
@@ -91,6 +94,21 @@ class PageMinMax(StoreHook):
         index = flat_page[:, None].expand(-1, keys.shape[-1])
         self.kmax.scatter_reduce_(0, index, keys, "amax", include_self=True)
         self.kmin.scatter_reduce_(0, index, keys, "amin", include_self=True)
+
+    def _one_each_uniform(self, store: LayerStore) -> None:
+        """:meth:`after_append` of one key per segment at the end of a uniform store (a decoding step): every new key
+        lies in the same page of its segment, known on the host, so its page's max and min take it in place (the
+        same as ``scatter_reduce_``'s ``amax``/``amin`` with ``include_self``) — no index built from the host
+        bookkeeping and no device read (on a GPU each was a host round trip per layer and step)."""
+        slot = store.max_length - 1  # the new key's slot in every segment (Python int)
+        page = slot // self.page_size
+        if page + 1 > self.slots:
+            self._grow(store, page + 1 + PAGE_GROWTH)
+        keys = store.capacity_views()[0].select(2, slot)  # (batch, heads, d)
+        kmax, kmin = self.view(store)
+        page_max, page_min = kmax.select(2, page), kmin.select(2, page)
+        torch.maximum(page_max, keys, out=page_max)
+        torch.minimum(page_min, keys, out=page_min)
 
     def _grow(self, store: LayerStore, slots: int) -> None:
         b, h, d = store.batch, store.heads, store.head_dim

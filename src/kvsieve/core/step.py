@@ -155,7 +155,12 @@ class LayerStep:
     def lengths(self) -> torch.Tensor:
         """Entries held per (batch, KV head), on the entries' device."""
         if "lengths" not in self._memo:
-            self._memo["lengths"] = self.store.lengths().to(self.query.device)
+            store = self.store
+            if store.is_uniform and not store.tiered:  # every head holds the same (a Python int): no host copy
+                self._memo["lengths"] = torch.full((store.batch, store.heads), store.max_length, dtype=torch.long,
+                                                   device=self.query.device)
+            else:
+                self._memo["lengths"] = store.lengths().to(self.query.device)
         return self._memo["lengths"]
 
     def entry_valid(self) -> torch.Tensor:
