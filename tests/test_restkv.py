@@ -529,23 +529,3 @@ def test_left_padded_batch_equals_single_prompts(arch, case):
         assert torch.equal(seq[0, len(p) :], batch_seq[row, ids.shape[1] :])
         for layer, _, head, positions in all_kept_positions(alone):
             assert torch.equal(positions + pad, batch.kept_positions(layer, row, head)), (row, layer, head)
-
-
-@pytest.mark.parametrize("chunk_bytes", [1 << 40, 4 * 2 * 8 * 3, 4 * 2 * 8 * 7])
-def test_value_gram_chunks_are_bit_identical_to_one_product(chunk_bytes, monkeypatch):
-    """The ``v G vᵀ`` term computed in chunks of rows (the CPU's cache-sized chunks) equals one product of every row
-    within the matrix product's rounding (a short chunk may take another BLAS kernel), chunks of 3 and 7 rows over 40
-    entries included (a last, shorter chunk), and exactly when one chunk holds every row."""
-    from kvsieve.ops import reconstruction
-
-    generator = torch.Generator().manual_seed(5)
-    values = torch.randn(2, 2, 40, 8, generator=generator)
-    outputs = torch.randn(2, 4, 3, 8, generator=generator)
-    gram = output_gram(torch.randn(16, 4 * 8, generator=generator), 4)
-    monkeypatch.setattr(reconstruction, "VALUE_CHUNK_BYTES", 1 << 40)
-    whole = reconstruction.output_distances(outputs, values, gram)
-    monkeypatch.setattr(reconstruction, "VALUE_CHUNK_BYTES", chunk_bytes)
-    chunked = reconstruction.output_distances(outputs, values, gram)
-    if chunk_bytes == 1 << 40:
-        assert torch.equal(chunked, whole)
-    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)

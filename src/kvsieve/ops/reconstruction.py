@@ -48,38 +48,13 @@ def output_gram(o_proj_weight: torch.Tensor, q_heads: int) -> torch.Tensor:
     return torch.einsum("khd,khe->hde", per_head, per_head)
 
 
-#: Bytes of the ``(rows, g·d)`` product per chunk of :func:`_value_gram_norms` on the CPU: a chunk's product and its
-#: elementwise square stay in a core's cache instead of going through memory (and the allocator's fresh pages) as one
-#: ``(L, g·d)`` block per KV head (4k prompt, 3 KV heads of 3 query heads, d = 64: 7.4 → 2.4 ms; equal bit for bit
-#: there, in general within the product's rounding: a short last chunk may take another BLAS kernel).
-VALUE_CHUNK_BYTES = 1 << 20
-
-
-def _value_gram_norms(v: torch.Tensor, stacked: torch.Tensor, groups: int) -> torch.Tensor:
-    """``v_j G_h v_jᵀ`` ``(batch, kv_heads, L, groups)`` from ``v`` ``(batch, kv_heads, L, d)`` and each KV head's
-    stacked Grams ``[G_1 | … | G_g]`` ``(kv_heads, d, g·d)``: one ``(rows × d)·(d × g·d)`` product and its row-wise
-    dot with ``v`` per chunk of rows (on the CPU, :data:`VALUE_CHUNK_BYTES`; elsewhere one chunk): the same operations
-    per element whatever the chunking, equal to one product of every row within the product's rounding."""
-    batch, kv_heads, length, d = v.shape
-    rows = max(1, VALUE_CHUNK_BYTES // (groups * d * v.element_size())) if v.device.type == "cpu" else length
-    if rows >= length:
-        return (torch.matmul(v, stacked).view(batch, kv_heads, length, groups, d) * v.unsqueeze(3)).sum(-1)
-    out = torch.empty(batch, kv_heads, length, groups, dtype=v.dtype, device=v.device)
-    for first in range(0, length, rows):
-        chunk = v[:, :, first : first + rows]
-        product = torch.matmul(chunk, stacked).view(batch, kv_heads, chunk.shape[2], groups, d)
-        out[:, :, first : first + rows] = (product * chunk.unsqueeze(3)).sum(-1)
-    return out
-
-
 def output_distances(outputs: torch.Tensor, values: torch.Tensor, gram: torch.Tensor | None) -> torch.Tensor:
     """``‖(o_t - v_j) W_O^h‖₂`` (or ``‖o_t - v_j‖₂`` when ``gram`` is None), ``(batch, q_heads, w, L)``.
 
     Expanded as ``o G oᵀ - 2 o G v_jᵀ + v_j G v_jᵀ``: cost ``O(w·L·d + L·d²)`` per head, like the
     attention rows themselves. The cross term is one batched product per KV head (its query heads'
     ``-2 o G`` rows stacked against the shared values, never a per-query-head copy of the values); the
-    ``v G vᵀ`` term is one ``(L × d)·(d × g·d)`` product per KV head (in cache-sized chunks of rows on the CPU:
-    :func:`_value_gram_norms`); the three terms are summed in place
+    ``v G vᵀ`` term is one ``(L × d)·(d × g·d)`` product per KV head; the three terms are summed in place
     and the square is clamped at 0 against rounding before the root. The expansion cancels when
     ``o_t ≈ v_j`` (an entry holding nearly all the attention): in float32 its relative error is ~1e-7
     for ordinary entries but ~5% at ``A = 0.999`` — such an entry still ranks at the top.
@@ -97,7 +72,8 @@ def output_distances(outputs: torch.Tensor, values: torch.Tensor, gram: torch.Te
         g = gram.to(dtype).reshape(kv_heads, groups, d, d)
         o_g = torch.matmul(o, g)  # (b, kv, g, w, d)
         stacked = g.permute(0, 2, 1, 3).reshape(kv_heads, d, groups * d)  # [G_1 | ... | G_g] per KV head
-        v_sq = _value_gram_norms(v, stacked, groups).permute(0, 1, 3, 2).unsqueeze(3)  # (b, kv, g, 1, L)
+        v_g = torch.matmul(v, stacked).view(batch, kv_heads, length, groups, d)  # (b, kv, L, g, d)
+        v_sq = (v_g * v.unsqueeze(3)).sum(-1).permute(0, 1, 3, 2).unsqueeze(3)  # (b, kv, g, 1, L)
     o_sq = (o_g * o).sum(-1, keepdim=True)  # (b, kv, g, w, 1)
     cross = torch.matmul(o_g.reshape(batch, kv_heads, groups * w, d), v.transpose(-1, -2))
     squared = cross.view(batch, kv_heads, groups, w, length).mul_(-2.0).add_(o_sq).add_(v_sq)
