@@ -63,3 +63,41 @@ def test_kvsieve_layers_attend_through_it_and_a_plain_model_does_not(monkeypatch
     logits = model(ids, **cache_kwargs(model, cache), use_cache=True).logits
     assert len(devices) == model.config.num_hidden_layers and all(d.type == "cpu" for d in devices)
     torch.testing.assert_close(logits, plain_logits)
+
+
+def test_context_form_is_off_inside_and_restores_after_an_error(cudnn_flag) -> None:
+    """``cudnn_attention_off``: what kvsieve's timings wrap around whole forwards of the ``full`` (DynamicCache)
+    rows on CUDA; nothing on a CPU."""
+    from kvsieve.attention.backends import cudnn_attention_off
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    with cudnn_attention_off(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(RuntimeError, match="forward failed"), cudnn_attention_off(torch.device("cuda")):
+        raise RuntimeError("forward failed")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with cudnn_attention_off(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_bench_times_the_full_row_with_cudnn_off(monkeypatch) -> None:
+    """``kvsieve bench``'s timed forwards run inside ``cudnn_attention_off`` (on a CPU it does nothing): recorded
+    here by replacing it with a context that notes the device it was given."""
+    import contextlib
+
+    from kvsieve.bench import measure
+
+    devices: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def recording(device: torch.device):
+        devices.append(device)
+        yield
+
+    monkeypatch.setattr(measure, "cudnn_attention_off", recording)
+    model = build_model("llama")
+    cache = measure.make_cache(model, measure.FULL, None)
+    _, token = measure.timed_prefill(model, prompt(1, 12, seed=2), cache)
+    measure.decode_latencies(model, cache, token, 2)
+    assert [d.type for d in devices] == ["cpu", "cpu"]

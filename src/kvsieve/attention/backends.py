@@ -17,7 +17,8 @@ same results within rounding). Nothing changes on a CPU, nor for a model used wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -33,5 +34,21 @@ def without_cudnn_attention(device: torch.device, run: Callable[[], Result]) -> 
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         return run()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+@contextmanager
+def cudnn_attention_off(device: torch.device) -> Iterator[None]:
+    """:func:`without_cudnn_attention` as a context for whole forwards: kvsieve's own timings and answers with
+    transformers' ``DynamicCache`` (the ``full`` rows of ``kvsieve bench``, ``generate`` and ``compress_context``) run
+    under it on CUDA, so that a ``× full`` ratio compares caches, not attention kernels (with cuDNN's kernel a
+    ``DynamicCache`` decoding step took 69–100 ms instead of 21–40 ms on an H200: a plan per new key length)."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        yield
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)

@@ -1,7 +1,9 @@
 """Measurement primitives: essay prompts, caches, timed prefill and decoding, cache sizes, process RSS.
 
 The full cache is transformers' ``DynamicCache``; through the kvsieve attention function (or plain SDPA
-on a model no ``KVCache`` has touched) it is exactly the uncompressed baseline.
+on a model no ``KVCache`` has touched) it is exactly the uncompressed baseline. Every timed forward runs with cuDNN's
+SDPA kernel off on CUDA, as kvsieve's attention does (:mod:`kvsieve.attention.backends`), so the baseline and the
+compressed caches use the same kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvsieve.attention.backends import cudnn_attention_off
 from kvsieve.engine.kv_cache import KVCache
 from kvsieve.models.haystack import load_essays
 from kvsieve.transformers_adapter import cache_kwargs
@@ -52,9 +55,10 @@ def timed_prefill(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tupl
     """Seconds for the prompt forward (with compression), and the greedy next token ``(batch, 1)``."""
     _synchronize(ids.device)
     start = time.perf_counter()
-    out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    if isinstance(cache, KVCache):
-        cache.flush()  # the prompt's compaction (it would otherwise run at the first decoding step)
+    with cudnn_attention_off(ids.device):
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        if isinstance(cache, KVCache):
+            cache.flush()  # the prompt's compaction (it would otherwise run at the first decoding step)
     _synchronize(ids.device)
     return time.perf_counter() - start, out.logits[:, -1:].argmax(-1)
 
@@ -64,11 +68,12 @@ def decode_latencies(
 ) -> tuple[list[float], torch.Tensor]:
     """Greedy-decode ``steps`` tokens one forward at a time; seconds per step and the last token."""
     latencies = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
-        _synchronize(token.device)
-        latencies.append(time.perf_counter() - start)
+    with cudnn_attention_off(token.device):
+        for _ in range(steps):
+            start = time.perf_counter()
+            token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+            _synchronize(token.device)
+            latencies.append(time.perf_counter() - start)
     return latencies, token
 
 

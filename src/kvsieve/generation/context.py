@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
+from kvsieve.attention.backends import cudnn_attention_off
 from kvsieve.engine.kv_cache import KVCache
 from kvsieve.generation.prompt import PromptFormat, prompt_format
 from kvsieve.generation.reconstruction import reads_reconstruction, reconstruct
@@ -161,7 +162,7 @@ class CompressedContext:
         generated: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         done = torch.zeros(rows, dtype=torch.bool, device=device)
-        with torch.inference_mode():
+        with torch.inference_mode(), cudnn_attention_off(device):  # a DynamicCache as kvsieve's caches attend
             started = time.perf_counter()
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                 logits_to_keep=1, **cache_kwargs(self.model, cache)).logits[:, -1]
@@ -240,7 +241,7 @@ def compress_context(
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and ids.shape[1] >= limit:
         raise ValueError(f"context: {ids.shape[1]} tokens do not fit the model's {limit} positions")
-    with torch.inference_mode():
+    with torch.inference_mode(), cudnn_attention_off(ids.device):  # a DynamicCache as kvsieve's caches attend
         started = time.perf_counter()
         model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         if reads_reconstruction(cache):  # KVzip: score by repeating the context, then compress (in prefill_s)
