@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
+from kvsieve.attention.backends import cudnn_attention_off
 from kvsieve.engine.kv_cache import KVCache
 from kvsieve.engine.shared_prefill import prefill_shared
 from kvsieve.eval.cells import KINDS, CellContext
@@ -146,7 +147,8 @@ def evaluate_cells(
         prepared.append((cell, probe, {"task": spec.name, "policy": policy, "budget": budget}))
     setup_s = time.perf_counter() - started
     records: list[dict[str, Any] | None] = [None] * len(prepared)
-    with torch.inference_mode():
+    # every cell on the same attention kernels: a DynamicCache (the needle kind's full cell) too (attention/backends.py)
+    with torch.inference_mode(), cudnn_attention_off(model.device):
         shared = [i for i, (_, probe, _) in enumerate(prepared) if _shareable(probe)]
         if kind.shares_prefill and len(shared) > 1:
             t0 = time.perf_counter()
