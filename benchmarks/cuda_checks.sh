@@ -29,8 +29,12 @@ for model in random-smollm2 random-llama8b; do
   timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/statistics_prefill.py --device cuda --model "$model" \
     --output "$out/statistics_prefill_cuda_${model#random-}.json" 2>&1 | grep -E "T=|over|Error|error"
   timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/engine_overhead.py --device cuda --model "$model" \
+    --decode-policies snapkv,adakv,full,dbtrimkv,h2o,ems --policy-params '{"h2o": {"schedule": "decode"}}' \
     --output "$out/engine_overhead_cuda_${model#random-}.json" 2>&1 | grep -E "ms/step|PASS|FAIL|Error|error"
 done
+# session 22: decoding steps at new key lengths (what generation meets): cuDNN's plan builds, kvsieve without them
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/cuda_plan_builds.py --steps 8 --output "$out/cuda_plan_builds.json" \
+  2>&1 | grep -E "micro|decode b|prefill|Error"
 if [ -z "${ONLY_NEW:-}" ]; then
   timeout 90 python3 benchmarks/packed_decoding.py --device cuda --repeats 3 --output "$out/packed_decoding_cuda.json" | tail -25
 fi

@@ -115,9 +115,9 @@ def _count_syncs(run: Callable[[], object]) -> tuple[int, list[str]]:
     return len(syncs), sorted({f"{w.filename}:{w.lineno}" for w in syncs})
 
 
-def _syncs_per_step(policy: str, steps: int = 4) -> tuple[float, list[str]]:
+def _syncs_per_step(policy: str, steps: int = 4, **extra) -> tuple[float, list[str], kvsieve.KVCache]:
     model = _cuda_model("llama")
-    params = with_test_gates(model, policy, {} if policy == "full" else {"budget": 40})
+    params = with_test_gates(model, policy, {} if policy == "full" else {"budget": 40, **extra})
     if "gates" in params:
         params["gates"] = params["gates"].to(CUDA)
     cache = kvsieve.KVCache(model, policy, **params)
@@ -134,7 +134,7 @@ def _syncs_per_step(policy: str, steps: int = 4) -> tuple[float, list[str]]:
             token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
 
     count, where = _count_syncs(decode)
-    return count / steps, where
+    return count / steps, where, cache
 
 
 @pytest.mark.parametrize("policy", PRESETS)
@@ -162,10 +162,23 @@ def test_prefill_host_reads_are_counted(policy: str) -> None:
 def test_decoding_steps_do_not_synchronise(policy: str) -> None:
     if CUDA.type != "cuda":
         pytest.skip("counts CUDA synchronisations")
-    per_step, where = _syncs_per_step(policy)
+    per_step, where, _ = _syncs_per_step(policy)
     print(f"\nSYNCS {policy}: {per_step:.2f} per decoding step at {where}")
     if policy in NO_SYNC:
         assert per_step == 0, where
+
+
+@pytest.mark.parametrize("policy", ("h2o", "tova"))
+def test_every_step_eviction_host_reads_are_counted(policy: str) -> None:
+    """Prints the host synchronisations per decoding step of ``schedule="decode"`` eviction (one entry dropped per
+    head and step: the drop-one plan's tie check reads the device), so a lent machine's log says what is left;
+    asserts that every head held exactly its budget after each step's eviction, on the device."""
+    if CUDA.type != "cuda":
+        pytest.skip("counts CUDA synchronisations")
+    per_step, where, cache = _syncs_per_step(policy, schedule="decode")
+    print(f"\nSYNCS {policy} schedule=decode: {per_step:.2f} per decoding step at {where}")
+    assert cache.layers[0].store.keys.device.type == "cuda"
+    assert (cache.head_lengths() == 40).all()
 
 
 @pytest.mark.parametrize("policy", ("h2o", "ems"))
