@@ -2,17 +2,19 @@
 
 torch's ``scaled_dot_product_attention`` prefers cuDNN's kernel on recent NVIDIA GPUs (torch 2.11 with CUDA 13 on an
 H200: ``torch._fused_sdp_choice`` answers cuDNN for a bf16 decoding query), and cuDNN builds an execution plan for
-every new shape it meets: measured on an H200, the first call at a new key length took 45 ms without a mask and 350 ms
-with one, against 0.04–0.2 ms for the flash and memory-efficient kernels, which need no plan, at any length. A decoding
-step meets a new key length at every step, and a ragged cache one per layer (each layer's longest head differs), so
-with cuDNN a step of ``adakv`` took 0.9 s and one of ``dbtrimkv`` 1.2–2.2 s instead of 38 and 37 ms
-(``benchmarks/results/cuda_plan_builds.json``; transformers' own ``DynamicCache`` step took 72 ms instead of 21 ms).
+every new shape it meets: measured on an H200 (two runs), the first call at a new key length took 45–47 ms without
+a mask and 350–357 ms with one, against 0.04–0.2 ms for the flash and memory-efficient kernels, which need no plan, at
+any length. A decoding step meets a new key length at every step, and a ragged cache one per layer (each layer's
+longest head differs), so with cuDNN a step of ``adakv`` took 0.9–1.07 s and one of ``dbtrimkv`` 1.2–2.2 s, against
+36–53 and 37–60 ms without (``benchmarks/results/cuda_plan_builds*.json``); transformers' own ``DynamicCache`` step
+took 72–100 ms against 21–40 ms.
+
 So while kvsieve attends over its cache on a CUDA device, cuDNN's kernel is switched off and torch chooses among the
-others (flash where no mask is needed, else memory-efficient, else math), then switched back: the switch is
-``torch.backends.cuda.enable_cudnn_sdp``, the public flag that ``torch.nn.attention.sdpa_kernel`` also sets (two
-calls of the flag cost about 1 µs; ``sdpa_kernel`` costs 26 µs per use, there at every layer). The flag is
-process-wide, as ``sdpa_kernel``'s is: another thread's attention during the call would not use cuDNN either (the
-same results within rounding). Nothing changes on a CPU, nor for a model used without a kvsieve cache.
+others (flash where no mask is needed, else memory-efficient, else math), then switched back. The switch is
+``torch.backends.cuda.enable_cudnn_sdp``, the public flag that ``torch.nn.attention.sdpa_kernel`` also sets (the check
+and the two switches cost about 0.5 µs on a CPU host; ``sdpa_kernel`` costs 26 µs per use, there at every layer). The
+flag is process-wide, as ``sdpa_kernel``'s is: another thread's attention during the call would not use cuDNN either
+(the same results within rounding). Nothing changes on a CPU, nor for a model used without a kvsieve cache.
 """
 
 from __future__ import annotations
