@@ -197,3 +197,35 @@ def test_the_attention_view_holds_the_dense_views_entries_when_heads_hold_differ
     whole = tier.dequantized()
     assert torch.equal(gathered[0], whole[0].index_select(0, index))
     assert torch.equal(gathered[1], whole[1].index_select(0, index))
+
+
+def test_max_full_entry_units_on_python_floats_equals_the_tensor_form():
+    """The byte-budget check each decoding step makes (``max_full_entry_units``) is the tensor form
+    ``ceil(max(full_entry_units()))`` exactly, with two tiers, on uniform and ragged full-precision layouts, across
+    decoding appends, a keep that changes the tiers, a batch selection and a tier added later."""
+    store, _, _ = _store()
+    shapes: list[bool] = []
+
+    def check() -> None:
+        expected = int(torch.ceil(store.full_entry_units().max()).item())
+        assert store.max_full_entry_units() == expected
+        shapes.append(store.is_uniform)
+
+    store.keep(*_tiered([[0, 1, 2, 3]] * 4, [list(range(4, 12))] * 4))  # 4 quantized, 8 full everywhere
+    check()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        store.append(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen), 12 + step, None)
+        check()
+    store.add_tier(bits=2, group=4, value_group=8)
+    store.tiers[1].add(torch.randn(6, D, generator=gen), torch.randn(6, D, generator=gen), torch.arange(6),
+                       torch.tensor([1, 0, 5, 0]))  # ragged 2-bit groups: 1, 0, 2, 0 groups per segment
+    check()
+    store.keep(*_rows([[0, 2, 5, 9], [1, 3], list(range(10)), [4]]))  # ragged full precision and tiers
+    check()
+    for step in range(5):
+        store.append(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen), 17 + step, None)
+        check()
+    store.select_batch(torch.tensor([1, 0, 1]))
+    check()
+    assert True in shapes and False in shapes
