@@ -11,8 +11,8 @@ took 72–100 ms against 21–40 ms.
 
 So while kvsieve attends over its cache on a CUDA device, cuDNN's kernel is switched off and torch chooses among the
 others (flash where no mask is needed, else memory-efficient, else math), then switched back. The switch is
-``torch.backends.cuda.enable_cudnn_sdp``, the public flag that ``torch.nn.attention.sdpa_kernel`` also sets (the check
-and the two switches cost about 0.5 µs on a CPU host; ``sdpa_kernel`` costs 26 µs per use, there at every layer). The
+``torch.backends.cuda.enable_cudnn_sdp``, the public flag that ``torch.nn.attention.sdpa_kernel`` also sets (a layer's
+switch off and on costs about 2 µs of host time; ``sdpa_kernel`` costs 26 µs per use). The
 flag is process-wide, as ``sdpa_kernel``'s is: another thread's attention during the call would not use cuDNN either
 (the same results within rounding). Nothing changes on a CPU, nor for a model used without a kvsieve cache.
 """
@@ -31,21 +31,20 @@ Result = TypeVar("Result")
 def without_cudnn_attention(device: torch.device, run: Callable[[], Result]) -> Result:
     """``run()`` with cuDNN's SDPA kernel switched off on a CUDA ``device`` (and back on after, also when ``run``
     raises); on any other device, or when cuDNN's kernel is off already, ``run()`` as it is."""
-    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+    if device.type != "cuda":  # the path every CPU step takes: one comparison
         return run()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
+    with cudnn_attention_off(device):
         return run()
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 @contextmanager
 def cudnn_attention_off(device: torch.device) -> Iterator[None]:
-    """:func:`without_cudnn_attention` as a context for whole forwards: kvsieve's own timings and answers with
-    transformers' ``DynamicCache`` (the ``full`` rows of ``kvsieve bench``, ``generate`` and ``compress_context``) run
-    under it on CUDA, so that a ``× full`` ratio compares caches, not attention kernels (with cuDNN's kernel a
-    ``DynamicCache`` decoding step took 69–100 ms instead of 21–40 ms on an H200: a plan per new key length)."""
+    """cuDNN's SDPA kernel off on a CUDA ``device`` for the block (back on after, also when it raises; left as it is
+    when it was off already, and on any other device). :func:`without_cudnn_attention` uses it per layer; kvsieve's own
+    timings and answers with transformers' ``DynamicCache`` (the ``full`` rows of ``kvsieve bench``, ``generate``,
+    ``compress_context`` and ``kvsieve eval``) run whole forwards under it, so that a ``× full`` ratio compares caches,
+    not attention kernels (with cuDNN's kernel a ``DynamicCache`` decoding step took 69–100 ms instead of 21–40 ms on
+    an H200: a plan per new key length)."""
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         yield
         return
