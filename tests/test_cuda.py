@@ -264,7 +264,6 @@ def test_decoding_compositions_match_the_cpu(name: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step, strict=True)), step
 
 
-
 def test_kvsieve_attention_runs_without_cudnn_on_cuda(monkeypatch) -> None:
     """Every SDPA call of a kvsieve decoding step (a ragged ``adakv`` cache: masked, a new key length per layer) runs
     with cuDNN's kernel switched off — it would build a plan per new shape (``attention/backends.py``) — and the flag
