@@ -105,7 +105,7 @@ def decode(model: torch.nn.Module, plain: torch.nn.Module, pool: torch.Tensor, s
     device = next(iter(model.parameters())).device
     ids = eo.prompts(pool, batch, settings.tokens, settings.tokens)
     short = ids[:, : settings.budget].contiguous()
-    configs: list[tuple[str, str, contextlib.AbstractContextManager[Any] | None]] = [
+    configs: list[tuple[str, str, str | None]] = [  # label, preset, backend mode
         ("dynamic", "dynamic", None), ("dynamic_no_cudnn", "dynamic", "no_cudnn"),
         *[(p, p, None) for p in ("full", "snapkv", "adakv", "dbtrimkv")],
         *([(f"{p}_with_cudnn", p, "cudnn_on") for p in ("snapkv", "adakv", "dbtrimkv")] if with_cudnn else []),

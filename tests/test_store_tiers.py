@@ -207,7 +207,11 @@ def test_max_full_entry_units_on_python_floats_equals_the_tensor_form():
     shapes: list[bool] = []
 
     def check() -> None:
-        expected = int(torch.ceil(store.full_entry_units().max()).item())
+        units = store.length.double()  # the tensor form, from the tiers' bookkeeping (no cached share)
+        for tier in store.tiers:
+            units = units + tier.segment_kv_nbytes().double() / (2 * D * store.keys.element_size())
+        expected = int(torch.ceil(units.max()).item())
+        assert torch.equal(store.full_entry_units(), units)
         assert store.max_full_entry_units() == expected
         shapes.append(store.is_uniform)
 
