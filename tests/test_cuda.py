@@ -171,8 +171,9 @@ def test_decoding_steps_do_not_synchronise(policy: str) -> None:
 @pytest.mark.parametrize("policy", ("h2o", "tova"))
 def test_every_step_eviction_host_reads_are_counted(policy: str) -> None:
     """Prints the host synchronisations per decoding step of ``schedule="decode"`` eviction (one entry dropped per
-    head and step: the drop-one plan's tie check reads the device), so a lent machine's log says what is left;
-    asserts that every head held exactly its budget after each step's eviction, on the device."""
+    head and step; the drop-one plan reads nothing back since session 23, unverified on a GPU), so a lent machine's
+    log says what is left; asserts that every head held exactly its budget after each step's eviction, on the
+    device."""
     if CUDA.type != "cuda":
         pytest.skip("counts CUDA synchronisations")
     per_step, where, cache = _syncs_per_step(policy, schedule="decode")

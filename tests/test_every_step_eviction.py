@@ -2,8 +2,8 @@
 output taken from the attention row the scorer reads.
 
 * ``LayerPlans._drop_one`` (one entry over the budget in every head of a uniform store) gives exactly the plan of
-  the general path (scores → uniform allocator → ``Action.plan``), or declines (a tie for the lowest score: top-k's
-  choice stays top-k's);
+  the general path (scores → uniform allocator → ``Action.plan``) whenever each head's lowest score is unique, and
+  drops the oldest of equal lowest scores otherwise (the general path leaves that choice to top-k);
 * ``LayerStore.drop_one`` leaves the same entries, positions, side data and layout as ``keep`` of the same plan;
 * a row compacting at a decoding step takes its output from ``P·V`` of the float32 row its scorer reads: the same
   kept entries and logits within float32 rounding as SDPA's output, on every architecture; a row that does not
@@ -113,39 +113,42 @@ def test_nothing_is_fused_under_the_prefill_schedule(monkeypatch):
     ("h2o_caote", {"budget": 24, "schedule": "decode"}),
 ])
 def test_drop_one_plan_equals_the_general_plan(policy, params, monkeypatch):
-    """Every drop-one plan keeps what scores → allocator → ``Action.plan`` keep; a declined one (a tie) falls back."""
+    """Every drop-one plan drops the first (oldest) of each head's lowest scores, and keeps what scores → allocator →
+    ``Action.plan`` keep whenever that lowest score is unique."""
     original = LayerPlans._drop_one
-    made, declined = [], []
+    compared = []
 
     def check(self, layer_idx, step):
         plan = original(self, layer_idx, step)
+        assert plan is not None  # some entry is unprotected in these programs
         lengths, nominal = self.nominal(layer_idx, step)
         scores = self.policy.scorer.score(step, nominal)
-        general = self.policy.action.plan(scores, self.policy.allocator.allocate(scores, nominal, lengths), step)
-        if plan is None:
-            declined.append(layer_idx)
-            return None
-        assert torch.equal(plan.keep, general.keep) and torch.equal(plan.counts, general.counts)
+        lowest = scores == scores.amin(dim=-1, keepdim=True)
+        assert torch.equal(plan.dropped, lowest.reshape(plan.dropped.shape[0], -1).int().argmax(dim=1))
         remaining = torch.ones(plan.keep.shape[0], plan.keep.shape[1] + 1, dtype=torch.bool)
         remaining.scatter_(1, plan.keep, False)
         assert torch.equal(remaining.float().argmax(dim=1), plan.dropped)  # the one entry not kept
-        made.append(layer_idx)
+        if bool((lowest.sum(dim=-1) == 1).all()):
+            general = self.policy.action.plan(scores, self.policy.allocator.allocate(scores, nominal, lengths), step)
+            assert torch.equal(plan.keep, general.keep) and torch.equal(plan.counts, general.counts)
+            compared.append(layer_idx)
         return plan
 
     monkeypatch.setattr(LayerPlans, "_drop_one", check)
     model = build_model("llama")
     _decode(model, policy, params, [prompt(1, 40, seed=9)[0]], True, monkeypatch)
-    assert made  # the fast path ran (a tie at some layer declines it: checked by the tie test below)
+    assert compared  # the fast path ran and met the general path's plan
 
 
-def test_drop_one_declines_a_tie_for_the_lowest_score(monkeypatch):
-    """Equal lowest scores: which one goes is top-k's choice, so the drop-one path leaves it to the general path."""
+def test_drop_one_drops_the_oldest_of_tied_lowest_scores(monkeypatch):
+    """Equal lowest scores (every raw score 0): the drop-one path still plans, with no host read, and each head
+    drops its oldest unprotected entry — the prompt's oldest kept position — keeping the rest and the new one."""
     original = LayerPlans._drop_one
     outcomes = []
 
     def record(self, layer_idx, step):
         plan = original(self, layer_idx, step)
-        outcomes.append(plan is None)
+        outcomes.append(plan is not None)
         return plan
 
     monkeypatch.setattr(LayerPlans, "_drop_one", record)
@@ -154,9 +157,13 @@ def test_drop_one_declines_a_tie_for_the_lowest_score(monkeypatch):
     model = build_model("llama")
     cache = kvsieve.KVCache(model, "h2o", budget=24, schedule="decode")
     model(prompt(1, 40, seed=10), **cache_kwargs(model, cache))
+    cache.flush()
+    before = [positions.tolist() for *_, positions in all_kept_positions(cache)]
     model(prompt(1, 1, seed=11), **cache_kwargs(model, cache))
+    after = [positions.tolist() for *_, positions in all_kept_positions(cache)]
     assert outcomes and all(outcomes)
-    assert int(cache.head_lengths().max()) == 24  # the general path still evicted
+    assert all(len(kept) == 24 for kept in before)
+    assert after == [[*kept[1:], 40] for kept in before]
 
 
 @pytest.mark.parametrize("reserve", [0, 1, 3])

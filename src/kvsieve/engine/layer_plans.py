@@ -96,8 +96,13 @@ class LayerPlans:
         and :meth:`Action.plan <kvsieve.parts.actions.base.Action.plan>` (top ``budget`` of ``budget + 1``) give
         whenever that lowest score is unique, without top-k, sort and the count arithmetic. A scorer whose
         protection is only its newest entries (:meth:`Scorer.kept_newest`) is read raw, the minimum taken over
-        the older entries (no protection pass). None (the general path decides) when some head's lowest score is
-        tied — which of equal scores goes is then top-k's choice, kept as it is — or every entry is protected.
+        the older entries (no protection pass). None (the general path decides) when every entry is protected.
+
+        Equal lowest scores: the **oldest** of them goes (``min`` returns the first; the entries are in position
+        order), the same on every device, where the general path leaves the choice among equal scores to top-k.
+        Nothing is read back to the host, so on a GPU an every-step eviction (``h2o``/``tova`` with
+        ``schedule="decode"``) does not wait for the device at each layer and step. A NaN score (a model whose
+        activations overflowed) counts as the lowest, so its entry is the one dropped.
         """
         scorer = self.policy.scorer
         assert scorer is not None
@@ -115,18 +120,13 @@ class LayerPlans:
                 torch.full((batch, heads), budget, dtype=torch.long, device=device),
                 torch.arange(length - 1, device=device),
                 torch.full((batch * heads,), length - 1, dtype=torch.long),
-                torch.ones((batch, heads), dtype=torch.long, device=device),
             )
-        nominal, offsets, counts, ones = tables
+        nominal, offsets, counts = tables
         if newest is None:
             candidates = scorer.score(step, nominal)
         elif newest < length:  # the unprotected entries (kept_newest's contract: their raw scores are not +inf)
             candidates = scorer.raw(step, nominal)[..., : length - newest]
         else:
             return None
-        lowest, dropped = candidates.min(dim=-1)
-        # exactly one lowest score per head (a tie, all protected or NaN: top-k's choice, the general path); one host
-        # read, as the general path's
-        if not torch.equal((candidates == lowest[..., None]).sum(dim=-1), ones):
-            return None
+        dropped = candidates.argmin(dim=-1)  # the first of equal lowest scores: the oldest (no host read)
         return DropOnePlan(dropped.reshape(-1), counts.clone(), offsets)
