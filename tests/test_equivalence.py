@@ -326,6 +326,28 @@ def test_prefill_schedule_decoding_takes_the_plain_path_and_equals_the_general_s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("policy", "params"), [
+    ("mixed", {"budget": 8, "window": 2, "group": 4, "value_group": 8}),
+    ("snapkv", {"budget": 8, "action": "quantize", "bits": (4, 2), "low_share": (0.25, 0.25), "window": 2, "group": 4,
+                "value_group": 8}),
+    ("adakv", {"budget": 8, "action": "quantize", "bits": 2, "low_share": 0.5, "window": 2, "group": 4,
+               "value_group": 8}),  # heads holding different numbers of quantized groups: the view's validity
+])
+def test_quantized_tiers_decode_through_the_plain_step_and_equal_the_general_step(
+        arch, fresh_model, dtype, policy, params, monkeypatch):
+    """A prefill-schedule policy with a quantizing action decodes through the plain step once its prompt left
+    quantized tiers (every held entry in the tiers' attention view, dequantized per step): bit for bit the
+    general step."""
+    model = fresh_model(arch).to(dtype)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=6)
+    taken, cache = _plain_step_equals_general(model, ids, lambda: kvsieve.KVCache(model, policy, **params),
+                                              monkeypatch)
+    assert any(cache.layers[i].store.tiered for i in managed_layers(cache))
+    assert sum(taken) == (STEPS - 1) * (len(cache.layers) - len(sliding_layers(cache)))
+    assert all(layer.store.view_nbytes() == 0 for layer in cache.layers)  # no step's view is held after it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("policy", "params"), [
     ("dbtrimkv", {"budget": 10, "window": 2, "buffer": 3}), ("trimkv", {"budget": 10, "window": 2, "buffer": 3}),
 ])
 def test_deferring_scorer_decodes_plainly_between_its_plans_and_equals_the_general_step(

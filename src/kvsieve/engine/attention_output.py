@@ -120,6 +120,24 @@ def ragged_decoding_output(store: LayerStore, query: torch.Tensor, scaling: floa
     return None
 
 
+def tiered_decoding_output(module: torch.nn.Module, store: LayerStore, query: torch.Tensor, scaling: float,
+                           compressed: bool) -> torch.Tensor:
+    """A decoding query's output over a store with quantized tiers: every held entry in the tiers' unordered view
+    (:meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`, the tiers dequantized into it), released after the
+    call — the calls :func:`all_entries_output` makes for such a store at a decoding step (the engine's plain step,
+    which describes nothing, takes it; bit for bit the general step)."""
+    view = store.attention_view()
+    if view.valid is None:
+        if compressed and packs_query(query, None, view.keys.shape[1]):
+            output = packed_decoding_output(query, view.keys, view.values, scaling)
+        else:
+            output = sdpa_attention(module, query, view.keys, view.values, None, scaling)
+    else:
+        output = packed_decoding_output(query, view.keys, view.values, scaling, view.valid)
+    store.release_views()  # the dequantized view lives for this step only
+    return output
+
+
 def packs_decoding_query(step: LayerStep) -> bool:
     """Whether a decoding step over a compressed layer attends with its GQA group packed into the query axis.
 

@@ -224,8 +224,9 @@ class Engine:
         no selector; transformers' SDPA call, or the packed call once the cache has compacted something, as
         :func:`~kvsieve.engine.attention_output.packs_decoding_query` decides), without describing the step first.
         Ragged heads (AdaKV) attend as the general step does: strided runs and length groups in place, a padded
-        layout over its buffers with its additive mask, a compact one through one dense view. None (the general
-        step runs instead) unless the store holds entries and keeps no hooks, tiers or side data but a probe-only
+        layout over its buffers with its additive mask, a compact one through one dense view; quantized tiers
+        (``mixed``, any prefill-schedule policy with a quantizing action) through the tiers' attention view. None
+        (the general step runs instead) unless the store holds entries and keeps no hooks or side data but a probe-only
         scorer's (KVzip's score: the append gives the new entry its fill, as the general step's does), and the new
         token is real in every row; for KVzip, unless its probe ran (the general step warns). A scorer that only
         defers side data at decoding (the retention gates of ``trimkv``/``dbtrimkv``: :attr:`_defers_plainly`) takes
@@ -236,7 +237,7 @@ class Engine:
         store = layer.store
         assert store is not None
         seen = layer.seen
-        if self.probe is not None or seen == 0 or store.hooks or store.tiers \
+        if self.probe is not None or seen == 0 or store.hooks \
                 or not self._passive_side.issuperset(store.side_names()) \
                 or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
@@ -256,6 +257,9 @@ class Engine:
             for name, update in (self.policy.scorer.decoding_updates(layer.layer_idx, store.heads, inputs)
                                  or {}).items():
                 store.defer_to_appended(name, update.inputs, update.compute)
+        if store.tiered:  # quantized entries: every held entry in the tiers' unordered view, as the general step
+            return attention_output.tiered_decoding_output(module, store, query, form.scaling,
+                                                           self._deferral.compactions > 0)
         if not store.is_uniform:  # ragged heads: read in place where the layout allows, else one dense view
             output = attention_output.ragged_decoding_output(store, query, form.scaling)
             if output is None:
