@@ -17,6 +17,11 @@ from kvsieve.parts.scorers.base import Scorer
 from kvsieve.policies.policy import Policy
 
 
+def reads_host_cheaply(device: torch.device) -> bool:
+    """Whether reading a tensor's value back to the host costs no wait on ``device`` (the CPU)."""
+    return device.type == "cpu"
+
+
 class LayerPlans:
     """A policy's budgets and plans for one layer at a time (no state beyond the policy and the model)."""
 
@@ -92,17 +97,19 @@ class LayerPlans:
                 and step.view.valid is None)
 
     def _drop_one(self, layer_idx: int, step: LayerStep) -> Plan | None:
-        """The plan keeping all but each head's lowest-scoring entry, from one ``min``: what the uniform allocator
-        and :meth:`Action.plan <kvsieve.parts.actions.base.Action.plan>` (top ``budget`` of ``budget + 1``) give
-        whenever that lowest score is unique, without top-k, sort and the count arithmetic. A scorer whose
-        protection is only its newest entries (:meth:`Scorer.kept_newest`) is read raw, the minimum taken over
-        the older entries (no protection pass). None (the general path decides) when every entry is protected.
+        """The plan keeping all but one entry of each head: exactly what the uniform allocator and
+        :meth:`Action.plan <kvsieve.parts.actions.base.Action.plan>` (top ``budget`` of ``budget + 1``) give, without
+        the allocator arithmetic, the host copy of the counts, the filler mask and the sort. None (the general path
+        decides) when every entry is protected (:meth:`Scorer.kept_newest`), and on the CPU when some head's lowest
+        score is tied.
 
-        Equal lowest scores: the **oldest** of them goes (``min`` returns the first; the entries are in position
-        order), the same on every device, where the general path leaves the choice among equal scores to top-k.
-        Nothing is read back to the host, so on a GPU an every-step eviction (``h2o``/``tova`` with
-        ``schedule="decode"``) does not wait for the device at each layer and step. A NaN score (a model whose
-        activations overflowed) counts as the lowest, so its entry is the one dropped.
+        * **On the CPU** (:func:`reads_host_cheaply`): each head's lowest score (``min``); a scorer whose protection is
+          only its newest entries is read raw over the older ones (no protection pass). One host read checks that
+          every lowest score is unique; a tie goes to the general path, so top-k decides equal scores as there.
+        * **Elsewhere (a GPU)**, where a host read waits for the device at every layer and step: the same ``topk`` call
+          on the same protected scores as the general path (equal scores decided as there), and the one index it
+          leaves out is the sum of all indices minus the sum of the kept ones. Nothing is read back. (On the CPU this
+          costs ~2% of an h2o step more than the minimum: the protection pass and a top-k of ``budget`` entries.)
         """
         scorer = self.policy.scorer
         assert scorer is not None
@@ -110,23 +117,30 @@ class LayerPlans:
         assert budget is not None
         batch, heads, length = step.store.batch, step.store.heads, step.store.max_length
         newest = scorer.kept_newest(budget) if type(scorer).score is Scorer.score else None
-        key = (batch, heads, length, budget, newest, step.query.device)
+        if newest is not None and newest >= length:
+            return None
+        device = step.query.device
+        key = (batch, heads, length, budget, device)
         tables = self._drop_tables.get(key)
         if tables is None:
-            device = step.query.device
             if len(self._drop_tables) >= 64:  # layer budgets (a pyramid) make one key per layer; lengths change rarely
                 self._drop_tables.clear()
             tables = self._drop_tables[key] = (
                 torch.full((batch, heads), budget, dtype=torch.long, device=device),
                 torch.arange(length - 1, device=device),
                 torch.full((batch * heads,), length - 1, dtype=torch.long),
+                torch.ones((batch, heads), dtype=torch.long, device=device),
             )
-        nominal, offsets, counts = tables
-        if newest is None:
-            candidates = scorer.score(step, nominal)
-        elif newest < length:  # the unprotected entries (kept_newest's contract: their raw scores are not +inf)
-            candidates = scorer.raw(step, nominal)[..., : length - newest]
-        else:
-            return None
-        dropped = candidates.argmin(dim=-1)  # the first of equal lowest scores: the oldest (no host read)
-        return DropOnePlan(dropped.reshape(-1), counts.clone(), offsets)
+        nominal, offsets, counts, ones = tables
+        if reads_host_cheaply(device):
+            # a scorer protecting only its newest entries: raw over the older ones (their raw scores are not +inf)
+            candidates = (scorer.score(step, nominal) if newest is None
+                          else scorer.raw(step, nominal)[..., : length - newest])
+            lowest, dropped = candidates.min(dim=-1)
+            if not torch.equal((candidates == lowest[..., None]).sum(dim=-1), ones):  # a tie: top-k's choice
+                return None
+            return DropOnePlan(dropped.reshape(-1), counts.clone(), offsets)
+        scores = scorer.score(step, nominal)
+        kept = torch.topk(scores.reshape(batch * heads, length), budget, dim=-1, sorted=True).indices  # as top_entries
+        dropped = (length * (length - 1) // 2) - kept.sum(dim=-1)  # the one index of 0 … length - 1 not kept
+        return DropOnePlan(dropped, counts.clone(), offsets)
