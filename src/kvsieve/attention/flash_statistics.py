@@ -1,0 +1,81 @@
+"""Column sums from the flash kernel's log-sum-exp: a causal prompt's output and H2O's statistic, the output SDPA's own.
+
+On a CPU whose matrix units run bfloat16 (AMX), SDPA's flash kernel attends a 4k-token layer in ~33 ms while a
+float32 pass over the causal matrix costs 130–185 ms (``benchmarks/results/statistics_prefill_amx_bf16_session23.json``,
+README "statistics fused into the attention pass"). That kernel also returns each query's log-sum-exp ``lse_t`` (the
+private operator :func:`~kvsieve.attention.kernel._flash_with_logsumexp` names), so the softmax need not be taken
+again: ``A[t, j] = exp(s·q_t·k_j − lse_t)``, and the column sums are one float32 ``q·k`` product, one subtraction
+and one ``exp`` per block — no row maximum, row sum or division, and no second ``P·V`` (the output is the kernel's).
+This is how the paper of EMS computes its statistic: from the attention kernel's log-sum-exp.
+
+Only where it pays and is exact in form: a causal prompt on an empty store (every query sees the entries up to its
+own position, no padding, no sliding window), plain attention (no soft-capping, no sinks, no bias), bfloat16 or float16
+on the CPU. Elsewhere :func:`flash_attention_and_column_sums` returns None and the caller keeps the blockwise softmax
+pass. The output is the flash kernel's — SDPA's output on the CPU bit for bit (the keys and values repeated per query
+head, as SDPA's grouped-query path does) — and the sums equal the softmax pass's within float32 rounding
+(``test_flash_statistics.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.attention.kernel import (
+    AttentionForm,
+    Visibility,
+    _flash_with_logsumexp,
+    _grouped_logits,
+    as_form,
+    query_block_rows,
+)
+
+
+def flash_attention_and_column_sums(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visibility: object, form: AttentionForm | float,
+    query_weight: torch.Tensor | None, bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The output ``(batch, q, q_heads, d)`` and the column sums ``(batch, q_heads, n)`` of a causal prompt over its own
+    entries, from the flash kernel's output and log-sum-exp; None where this route does not apply (see the module)."""
+    form = as_form(form)
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    if (query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) or form.explicit
+            or bias is not None or query_weight is not None or not isinstance(visibility, Visibility)
+            or visibility.first_query != 0 or visibility.key_valid is not None
+            or visibility.sliding_window is not None or q_len != n or q_len < 2):
+        return None
+    operator = _flash_with_logsumexp()
+    if operator is None:
+        return None
+    groups = q_heads // kv_heads
+    try:
+        output, logsumexp = operator(query, keys.repeat_interleave(groups, dim=1),
+                                     values.repeat_interleave(groups, dim=1), 0.0, True, scale=form.scaling)[:2]
+    except (RuntimeError, TypeError, ValueError):  # another signature in another torch: the softmax pass instead
+        return None
+    if logsumexp.shape != (batch, q_heads, q_len) or logsumexp.dtype != torch.float32:
+        return None
+    return output.transpose(1, 2).contiguous(), _column_sums(query, keys, logsumexp, form.scaling)
+
+
+def _column_sums(query: torch.Tensor, keys: torch.Tensor, logsumexp: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``Σ_t exp(s·q_t·k_j − lse_t)`` over the causal prompt's queries, ``(batch, q_heads, n)`` float32, in the query
+    blocks of the softmax pass (:func:`~kvsieve.attention.kernel.query_block_rows`); each block reads the keys up to
+    its last query and masks only its diagonal square."""
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads = keys.shape[1]
+    groups = q_heads // kv_heads
+    scaled = query.float() * scaling
+    keys = keys.float()
+    shifts = logsumexp.view(batch, kv_heads, groups, q_len)
+    total = torch.zeros(batch, kv_heads, groups, q_len, dtype=torch.float32, device=query.device)
+    rows = query_block_rows(batch, q_heads, q_len, query.device)
+    later = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu(1)  # a query's later keys
+    ones = torch.ones(1, 1, 1, 1, rows, dtype=torch.float32, device=query.device)
+    for lo in range(0, q_len, rows):
+        hi = min(lo + rows, q_len)
+        logits = _grouped_logits(scaled[:, :, lo:hi], keys[:, :, :hi])  # (b, kv, g, hi − lo, hi)
+        logits[..., lo:hi].masked_fill_(later[: hi - lo, : hi - lo], float("-inf"))
+        probs = logits.sub_(shifts[:, :, :, lo:hi, None]).exp_()
+        total[..., :hi] += torch.matmul(ones[..., : hi - lo], probs).squeeze(3)
+    return total.view(batch, q_heads, q_len)
