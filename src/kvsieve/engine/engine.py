@@ -341,9 +341,11 @@ class Engine:
 
         Opt-in (``fuse_statistics=True``): the output then differs from SDPA's — and so the prompt's later
         layers and logits from plain transformers' — by float rounding, where the default keeps them bit for
-        bit. Only for a managed layer whose scorer needs column sums, on more than one query, over the held
-        entries as they are (no action that expands merged centres), on the CPU, and when this layer can
-        evict now (more entries than its budget, or a ratio): with nothing to evict the output stays SDPA's.
+        bit (except a bf16/fp16 causal first prompt, whose output is the flash kernel's, SDPA's own:
+        :mod:`kvsieve.attention.flash_statistics`). Only for a managed layer whose scorer needs column sums, on
+        more than one query, over the held entries as they are (no action that expands merged centres), on the
+        CPU, and when this layer can evict now (more entries than its budget, or a ratio): with nothing to
+        evict the output stays SDPA's.
         Not on a GPU, where SDPA (FlashAttention) followed by the statistics pass is faster than this float32
         PyTorch pass (H200, h2o prefill at 4k: 0.26 s unfused, 0.29 s fused;
         ``benchmarks/results/statistics_prefill_cuda_*.json``).
