@@ -288,14 +288,14 @@ class LayerStep:
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16/float16
         causal prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its
-        log-sum-exp instead (:mod:`kvsieve.attention.flash_statistics`; the sums then equal the softmax pass's
-        within float32 rounding)."""
+        log-sum-exp instead (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast
+        exponential, ~1e-5 relative)."""
+        self._require(COLUMN_SUMS)  # refused before any work
         flash = flash_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
                                                 self.form if self.form is not None else self.scaling,
                                                 self.query_valid, self.bias())
         if flash is None:
             return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
-        self._require(COLUMN_SUMS)
         self._memo["colsum"] = flash[1]
         return flash[0]
 
