@@ -275,7 +275,10 @@ def device_info(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                 "cuda": torch.version.cuda}
-    return {"type": "cpu", **cpu_info()}
+    from kvsieve.native.dequantize import available
+
+    # whether the tiers dequantize through kvsieve's C pass (KVSIEVE_NATIVE=0 or no compiler: the PyTorch path)
+    return {"type": "cpu", **cpu_info(), "native_dequantize": available()}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

