@@ -78,3 +78,20 @@ def test_a_first_compaction_keeps_the_next_entries_in_score_order(seed, length, 
         low = set(order[full: full + allowed * G])
         assert set(keep[s].nonzero().flatten().tolist()) == stays | low
         assert set((target[s] == 1).nonzero().flatten().tolist()) == low
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(layouts(), st.booleans())
+def test_the_first_compactions_one_sort_plans_what_the_general_path_plans(layout, ties):
+    """``quantized=False`` (no tier holds an entry yet, the prefill's case) takes one sort instead of the general
+    path's per-tier group sums; same ``keep`` and ``target``, padding, protected entries, two tiers and equal
+    scores included."""
+    scores, origin, slot, full, groups = layout
+    origin = torch.zeros_like(origin)
+    if ties:  # few distinct values: many equal scores across group edges
+        finite = torch.isfinite(scores)
+        scores = torch.where(finite, (scores * 2).round(), scores)
+    general = group_aware_plan(scores, origin, slot, full, groups, G)
+    first = group_aware_plan(scores, origin, slot, full, groups, G, quantized=False)
+    assert torch.equal(first[0], general[0])
+    assert torch.equal(first[1], general[1])

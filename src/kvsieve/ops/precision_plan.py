@@ -33,6 +33,7 @@ def group_aware_plan(
     full: torch.Tensor,
     groups: list[torch.Tensor],
     group: int,
+    quantized: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept entries and their target tier, per segment.
 
@@ -43,6 +44,11 @@ def group_aware_plan(
         full: ``(S,)`` entries to keep in the model dtype.
         groups: per low tier, ``(S,)`` groups it may hold.
         group: ``G``, entries per group.
+        quantized: whether any tier holds entries (the caller knows from its bookkeeping). False (every
+            ``origin`` is 0, as at a first compaction): step 2 has no existing group, its new groups are formed in
+            score order and so are chosen in that order, and the plan is the ranks of one sort cut at
+            ``full``, ``full + G·groups[0]``, … — the same plan as the general path (one sort instead of one per
+            tier plus its group sums).
 
     Returns ``keep`` ``(S, L)`` bool and ``target`` ``(S, L)`` long: for kept model-dtype entries the tier they
     go to (0: stay), for kept quantized entries their own tier.
@@ -62,7 +68,10 @@ def group_aware_plan(
         return torch.empty_like(order).scatter_(1, order, positions)
 
     # 1. the best model-dtype entries stay
-    stay = is_full & (ranks(torch.where(is_full, values, neg)) < full.to(device)[:, None])
+    full_rank = ranks(torch.where(is_full, values, neg))
+    stay = is_full & (full_rank < full.to(device)[:, None])
+    if not quantized:
+        return _first_plan(is_full, full_rank, stay, full.to(device), groups, group)
     keep = stay.clone()
     target = torch.where(valid & (origin > 0), origin, torch.zeros_like(origin))
     candidate = is_full & ~stay
@@ -96,4 +105,22 @@ def group_aware_plan(
         keep |= demoted
         target = torch.where(demoted, torch.full_like(target, tier), target)
         candidate = candidate & ~demoted
+    return keep, target
+
+
+def _first_plan(is_full: torch.Tensor, rank: torch.Tensor, stay: torch.Tensor, full: torch.Tensor,
+                groups: list[torch.Tensor], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`group_aware_plan` when no tier holds an entry. Its new groups of a tier are the candidates in score
+    order cut into groups of ``G``, so their mean scores do not increase from one to the next and the stable
+    choice of the best ``groups[t]`` takes the first ones: the candidates ranked ``edge … edge + G·groups[t] − 1``
+    after the entries that stay (``edge`` starting at ``full``); the next tier continues from there."""
+    keep = stay.clone()
+    target = torch.zeros_like(rank)
+    edge = full[:, None]
+    for tier, allowed in enumerate(groups, start=1):
+        end = edge + allowed.to(rank.device)[:, None] * group
+        demoted = is_full & (rank >= edge) & (rank < end)
+        keep |= demoted
+        target.masked_fill_(demoted, tier)
+        edge = end
     return keep, target

@@ -153,6 +153,7 @@ class Quantize(Action):
         keep, target = group_aware_plan(
             scores.reshape(segments, length), origin.reshape(segments, length), slot.reshape(segments, length),
             bands[0].reshape(-1), [(band // self.group).reshape(-1) for band in bands[1:]], self.group,
+            quantized=any(not tier.empty for tier in store.tiers),
         )
         kept = keep.sum(dim=1)
         order = torch.where(keep, torch.arange(length, device=keep.device)[None, :], length)
