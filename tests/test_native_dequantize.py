@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import kvsieve
 from kvsieve import KVCache
 from kvsieve.cache.quantized_tier import QuantizedTier
+from kvsieve.cache.store_tiers import StoreTiers
 from kvsieve.native import build
 from kvsieve.native import dequantize as native_dequantize
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the PyT
 
 
 def test_the_pass_is_built_where_a_compiler_is():
-    assert native_dequantize.available(), "a C compiler is installed but kvsieve.native did not build dequantize.c"
+    assert native_dequantize.available(), "a C compiler is installed but kvsieve.native did not build tiers.c"
 
 
 def _tier(counts: list[int], bits: int, group: int, value_group: int, dim: int, dtype: torch.dtype, seed: int,
@@ -101,12 +102,12 @@ def test_a_failed_build_leaves_the_pytorch_path(monkeypatch, tmp_path, caplog):
     build.load.cache_clear()
     try:
         with caplog.at_level("INFO", logger="kvsieve.native"):
-            assert build.load("dequantize") is None
+            assert build.load("tiers") is None
         assert "not built" in caplog.text
         monkeypatch.setenv("KVSIEVE_NATIVE", "0")
         monkeypatch.delenv("CC")
         build.load.cache_clear()
-        assert build.load("dequantize") is None
+        assert build.load("tiers") is None
         assert not list(tmp_path.rglob("*.so"))
     finally:
         build.load.cache_clear()
@@ -122,13 +123,13 @@ def test_a_build_is_made_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSIEVE_CACHE", str(tmp_path))
     build.load.cache_clear()
     try:
-        assert build.load("dequantize") is not None
-        built = list((tmp_path / "native").glob("dequantize-*.so"))
+        assert build.load("tiers") is not None
+        built = list((tmp_path / "native").glob("tiers-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
         build.load.cache_clear()
-        assert build.load("dequantize") is not None
-        assert [p.stat().st_mtime_ns for p in (tmp_path / "native").glob("dequantize-*.so")] == [stamp]
+        assert build.load("tiers") is not None
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "native").glob("tiers-*.so")] == [stamp]
         assert not list((tmp_path / "native").glob(".*.tmp"))
     finally:
         build.load.cache_clear()
@@ -136,7 +137,9 @@ def test_a_build_is_made_once_and_reused(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_cache_decodes_through_the_pass_as_through_the_pytorch_path(monkeypatch, dtype):
-    """The same logits at every step with the C pass and without it, and the pass is what the step used."""
+    """The same logits at every step with the C pass and without it, and the pass is what the step used (with the
+    attention over packed tiers, ``kvsieve.native.tiered_attention``, off: it reads the codes without dequantizing)."""
+    monkeypatch.setattr(StoreTiers, "decoding_output", lambda self, query, scaling: None)
     model = build_model("llama").to(dtype)
     prompt = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
     calls = []

@@ -25,6 +25,8 @@ import torch
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.cache.quantized_tier import QuantizedTier
 from kvsieve.cache.store_compaction import StoreCompaction
+from kvsieve.native.tiered_attention import PackedTier
+from kvsieve.native.tiered_attention import attend as attend_tiers
 
 #: Prefix of a tier's tensors in :meth:`StoreTiers.entries` (``tier.0.key_codes``, ...).
 TIER_PREFIX = "tier."
@@ -234,6 +236,21 @@ class StoreTiers(StoreCompaction):
             return torch.cat([full.positions, *(part[2] for part in parts)], dim=2)
 
         return DenseView(keys, values, None, valid, extras, fetch, ())
+
+    def decoding_output(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """A decoding query's softmax attention ``(batch, 1, q_heads, d)`` over every held entry, read in place: the
+        full-precision entries where they lie and each tier's packed codes in its slot layout
+        (:func:`kvsieve.native.tiered_attention.attend`: no dequantized view). None where that pass does not apply
+        (off the CPU, among others); the caller then attends over :meth:`attention_view`."""
+        full = super().dense()
+        parts = []
+        for tier in self.tiers:
+            if tier.empty:
+                continue
+            index, positions, valid = tier.attention_layout()
+            parts.append(PackedTier(tier.bits, tier.group, tier.value_group, tier.key_codes, tier.key_params,
+                                    tier.value_codes, tier.value_params, index, valid, positions.shape[2]))
+        return attend_tiers(query, scaling, full.keys, full.values, full.valid, parts)
 
     def _combine(self, full: DenseView) -> tuple[DenseView, torch.Tensor, torch.Tensor]:
         b, h = self.batch, self.heads

@@ -73,6 +73,10 @@ def held_output(
                 output = torch.where(exact.to(output.device)[:, None, None, None], full, output)
             return output
     if tiered:  # every entry, in the tiers' cheaper unordered view (attention does not depend on the order)
+        if step.is_decoding and sliding_window is None and (step.form is None or not step.form.explicit):
+            output = step.store.decoding_output(step.query, step.scaling)  # the CPU's pass over the packed tiers
+            if output is not None:
+                return output
         return all_entries_output(step, module, sliding_window, None, step.store.attention_view())
     return all_entries_output(step, module, sliding_window, bias, compressed=compressed)
 
@@ -121,11 +125,16 @@ def ragged_decoding_output(store: LayerStore, query: torch.Tensor, scaling: floa
 
 
 def tiered_decoding_output(module: torch.nn.Module, store: LayerStore, query: torch.Tensor, scaling: float,
-                           compressed: bool) -> torch.Tensor:
+                           compressed: bool, explicit: bool = False) -> torch.Tensor:
     """A decoding query's output over a store with quantized tiers: every held entry in the tiers' unordered view
     (:meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`, the tiers dequantized into it), released after the
     call — the calls :func:`all_entries_output` makes for such a store at a decoding step (the engine's plain step,
     which describes nothing, takes it; bit for bit the general step)."""
+    if not explicit:  # on the CPU: the packed tiers read in place, no dequantized view
+        output = store.decoding_output(query, scaling)
+        if output is not None:
+            store.release_views()
+            return output
     view = store.attention_view()
     if view.valid is None:
         if compressed and packs_query(query, None, view.keys.shape[1]):

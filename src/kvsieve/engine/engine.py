@@ -259,7 +259,7 @@ class Engine:
                 store.defer_to_appended(name, update.inputs, update.compute)
         if store.tiered:  # quantized entries: every held entry in the tiers' unordered view, as the general step
             return attention_output.tiered_decoding_output(module, store, query, form.scaling,
-                                                           self._deferral.compactions > 0)
+                                                           self._deferral.compactions > 0, form.explicit)
         if not store.is_uniform:  # ragged heads: read in place where the layout allows, else one dense view
             output = attention_output.ragged_decoding_output(store, query, form.scaling)
             if output is None:

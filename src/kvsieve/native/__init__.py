@@ -1,6 +1,10 @@
 """C helpers for the CPU's hot paths, built on first use with the system's compiler and loaded through ``ctypes``
-(:mod:`kvsieve.native.build`); each has a PyTorch path that computes the same numbers, taken wherever the helper is
-not built or does not apply (off the CPU, ``KVSIEVE_NATIVE=0``).
+(:mod:`kvsieve.native.build`); each has a PyTorch path, taken wherever the helper is not built or does not apply (off
+the CPU, ``KVSIEVE_NATIVE=0``).
 
-- :mod:`kvsieve.native.dequantize`: a precision tier's KIVI dequantization into the attention view.
+- :mod:`kvsieve.native.dequantize`: a precision tier's KIVI dequantization into the attention view (bit for bit);
+- :mod:`kvsieve.native.tiered_attention`: a decoding query's attention over packed tiers and full-precision entries
+  read in place (float32 softmax over exactly the dequantized entries; SDPA's output within rounding).
+
+Both are in ``tiers.c``.
 """

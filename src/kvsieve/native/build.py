@@ -1,14 +1,15 @@
 """Build and load kvsieve's C helpers (``*.c`` beside this file) on first use, cached per source and machine.
 
 Nothing is built at import. The first call of :func:`load` compiles the source with the system's C compiler
-(``$CC``, else ``cc``) into kvsieve's cache folder (:func:`kvsieve.result_files.cache_root`, ``native/``), under a
-name that hashes the source, the compiler's version, the flags and the CPU (``-march=native`` code must not run
-on another CPU that shares the folder), through a temporary file and ``os.replace`` (two processes building at
-once both end with a whole library). Later processes load the cached file (~1 ms).
+(``$CC``, else ``cc``; flags: :data:`BASE_FLAGS`, then the first set of :data:`OPTIONAL_FLAGS` it accepts) into
+kvsieve's cache folder (:func:`kvsieve.result_files.cache_root`, ``native/``), under a name that hashes the source,
+the compiler's version, the flags and the CPU (``-march=native`` code must not run on another CPU that shares the
+folder), through a temporary file and ``os.replace`` (two processes building at once both end with a whole
+library). Later processes load the cached file (~1 ms).
 
 Where it cannot be built — no compiler, a compiler without ``_Float16``, Windows, ``KVSIEVE_NATIVE=0`` — :func:`load`
-returns None once, logs why at INFO, and every caller keeps its PyTorch path, which computes the same numbers. The
-helpers read raw CPU memory through ``ctypes``; their callers check every tensor (device, dtype, contiguity) first.
+returns None once, logs why at INFO, and every caller keeps its PyTorch path. The helpers read raw CPU memory
+through ``ctypes``; their callers check every tensor (device, dtype, contiguity, shapes) first.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from kvsieve.result_files import cache_root
 
 LOG = logging.getLogger("kvsieve.native")
 
-#: Flags of every build; ``-march=native`` is tried first and dropped if the compiler refuses it.
+#: Flags of every build, then the optional ones tried in this order (the first set the compiler accepts is kept):
+#: ``-march=native`` (the vector loops need AVX2, FMA and F16C) and ``-fopenmp``. An OpenMP build links
+#: ``libgomp.so.1`` by its soname, which torch's own ``libgomp.so.1`` (loaded first, with torch) answers: the helpers'
+#: parallel loops run on torch's OpenMP threads, at ``torch.get_num_threads()``, instead of competing with them.
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
-NATIVE_FLAGS = ("-march=native",)
+OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
+#: Libraries linked after the source (``expf``).
+LIBRARIES = ("-lm",)
 #: The ABI number the C source returns from ``kvsieve_native_abi`` (a stale cached build is not used).
 ABI = 1
 
@@ -82,11 +88,11 @@ def _built(source: Path) -> Path:
     """The compiled library of ``source`` in the cache folder, compiling it first if it is not there."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    attempts = [(*BASE_FLAGS, *NATIVE_FLAGS), BASE_FLAGS]
+    attempts = [(*BASE_FLAGS, *optional) for optional in OPTIONAL_FLAGS]
     folder = cache_root() / "native"
     errors = []
     for flags in attempts:
-        digest = hashlib.sha256("\0".join([source.read_text(encoding="utf-8"), compiler, version, *flags,
+        digest = hashlib.sha256("\0".join([source.read_text(encoding="utf-8"), compiler, version, *flags, *LIBRARIES,
                                            platform.machine(), _cpu_signature()]).encode()).hexdigest()[:20]
         target = folder / f"{source.stem}-{digest}.so"
         if target.exists():
@@ -95,8 +101,8 @@ def _built(source: Path) -> Path:
         fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            result = subprocess.run([compiler, *flags, str(source), "-o", temporary], capture_output=True,
-                                    text=True, timeout=120)
+            result = subprocess.run([compiler, *flags, str(source), "-o", temporary, *LIBRARIES],
+                                    capture_output=True, text=True, timeout=120)
             if result.returncode == 0:
                 os.replace(temporary, target)
                 return target

@@ -1,11 +1,11 @@
-"""A precision tier's KIVI dequantization in one C pass (``dequantize.c``), for decoding on the CPU.
+"""A precision tier's KIVI dequantization in one C pass (``tiers.c``), for decoding on the CPU.
 
 The PyTorch path (:meth:`kvsieve.cache.quantized_tier.QuantizedTier.dequantized`) makes about ten tensor operations
 per tier and layer at every decoding step — gathers of the packed groups, a code lookup and a multiply-add for
 keys and for values, copies into the attention view — and at a decoding step's sizes each costs more in dispatch
 than in arithmetic. The C pass reads the packed codes and their float16 steps and minimums once and writes the
-rounded entries straight into the view: the same numbers bit for bit (``dequantize.c`` says why), ~5× faster for a
-2-bit tier of 960 entries (230 → 45 µs on an AMX Xeon). It runs on one thread (``dequantize.c`` says why).
+rounded entries straight into the view: the same numbers bit for bit (``tiers.c`` says why), ~5× faster for a
+2-bit tier of 960 entries (230 → 45 µs on an AMX Xeon). It runs on one thread (``tiers.c`` says why).
 
 :func:`dequantize_into` returns False for anything it does not take (a tensor off the CPU, a dtype or layout it
 does not read, no built library): the caller then runs its PyTorch path. On a GPU the PyTorch path's shifts and
@@ -32,7 +32,7 @@ _loaded = False
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     global _function, _loaded
     if not _loaded:
-        library = build.load("dequantize")
+        library = build.load("tiers")
         if library is not None:
             function = library.kvsieve_dequantize
             i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p

@@ -1,0 +1,460 @@
+/* Reading kvsieve's precision tiers on the CPU: KIVI dequantization of one tier straight into an attention view
+ * (kvsieve_dequantize, below), and a decoding query's attention over the packed tiers and the full-precision
+ * entries without any dequantized view (kvsieve_attend_dense / kvsieve_attend_tier, further down).
+ *
+ * kvsieve.native.build builds this file on first use; kvsieve.native.dequantize and kvsieve.native.tiered_attention
+ * call it through ctypes. The Python reference of the dequantization is
+ * kvsieve.cache.quantized_tier.QuantizedTier.dequantized (its PyTorch path), which this computes bit for bit:
+ *
+ *   keys   (per channel, KIVI Sec. 3.2):  k[t, c] = minimum[g, c] + code[t, c] * step[g, c]
+ *   values (per token,   KIVI Sec. 3.3):  v[t, c] = minimum[t, c / vg] + code[t, c] * step[t, c / vg]
+ *
+ * in float32, then rounded to the view's dtype (round to nearest even, as torch's copy rounds). A code is below
+ * 2^8 and a step is float16-exact, so code * step is exact in float32 and the sum is rounded once: fused or not,
+ * the result is the PyTorch path's. Steps and minimums are float16; codes are packed 8 / bits to a byte, low bits
+ * first (kvsieve.ops.quantize.pack).
+ *
+ * With AVX2, FMA and F16C (the build's -march=native) rows of whole 8-channel blocks take an explicit vector loop
+ * (codes unpacked by variable shifts, one fused multiply-add: exact for the reason above); other rows, and other
+ * CPUs, take the plain loop. One thread: two threads (pthreads) made a batch-8 decoding step slower (1.66x instead of 1.44x an evict-only
+ * step), competing with torch's OpenMP workers, which spin between parallel regions.
+ *
+ * Group i of the gathered order (index[i], or i without an index) is written to the view's segment i / most
+ * (batch item = segment / heads, KV head = segment % heads) at slots (i % most) * group ... + group - 1.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define KVSIEVE_MAX_DIM 1024
+#define KVSIEVE_ABI 1
+
+enum { OUT_FLOAT32 = 0, OUT_BFLOAT16 = 1, OUT_FLOAT16 = 2 };
+
+typedef struct {
+    int bits, group, dim, value_group, heads, out_kind;
+    int64_t most, begin, end; /* the groups [begin, end) of the gathered order */
+    const int64_t *index;
+    const uint8_t *key_codes, *value_codes;
+    const uint16_t *key_params, *value_params;
+    char *out_keys, *out_values;
+    int64_t stride_batch, stride_head, stride_slot; /* in elements of the view */
+    const float *table;                           /* 256 x (8 / bits) codes of each byte, for 2 and 4 bits */
+} Job;
+
+int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline uint16_t float_to_bfloat16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
+}
+
+static inline uint16_t float_to_half(float f) {
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+static inline void store_row(const float *row, int dim, char *dst, int out_kind) {
+    if (out_kind == OUT_FLOAT32) {
+        memcpy(dst, row, (size_t)dim * 4);
+        return;
+    }
+    uint16_t *out = (uint16_t *)dst;
+    if (out_kind == OUT_BFLOAT16)
+        for (int c = 0; c < dim; ++c) out[c] = float_to_bfloat16(row[c]);
+    else
+        for (int c = 0; c < dim; ++c) out[c] = float_to_half(row[c]);
+}
+
+/* The codes of one packed row, as floats (at least dim of them). */
+static inline void unpack_row(const uint8_t *packed, int width, int bits, const float *table, float *codes) {
+    if (bits == 2)
+        for (int b = 0; b < width; ++b) memcpy(codes + 4 * b, table + 4 * packed[b], 16);
+    else if (bits == 4)
+        for (int b = 0; b < width; ++b) memcpy(codes + 2 * b, table + 2 * packed[b], 8);
+    else
+        for (int b = 0; b < width; ++b) codes[b] = (float)packed[b];
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVSIEVE_VECTOR 1
+
+/* The codes of channels c ... c + 7 of a packed row (c a multiple of 8), as float lanes. */
+static inline __m256 codes8(const uint8_t *packed, int c, int bits) {
+    __m256i lanes;
+    if (bits == 2) {
+        uint16_t word;
+        memcpy(&word, packed + c / 4, 2);
+        lanes = _mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        lanes = _mm256_and_si256(lanes, _mm256_set1_epi32(3));
+    } else if (bits == 4) {
+        uint32_t word;
+        memcpy(&word, packed + c / 2, 4);
+        lanes = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        lanes = _mm256_and_si256(lanes, _mm256_set1_epi32(15));
+    } else {
+        lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(packed + c)));
+    }
+    return _mm256_cvtepi32_ps(lanes);
+}
+
+/* Eight floats rounded to the view's dtype (store_row's rounding) and stored at dst. */
+static inline void store8(__m256 x, char *dst, int out_kind) {
+    if (out_kind == OUT_FLOAT32) {
+        _mm256_storeu_ps((float *)dst, x);
+    } else if (out_kind == OUT_FLOAT16) {
+        _mm_storeu_si128((__m128i *)dst, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        const __m256i u = _mm256_castps_si256(x);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+        const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+        const __m256i halves = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(halves));
+    }
+}
+
+/* run()'s loop, eight channels at a time (dim and value_group multiples of 8). */
+static void run_vector(const Job *job) {
+    const int dim = job->dim, group = job->group, bits = job->bits, width = (dim * bits + 7) / 8;
+    const int value_groups = dim / job->value_group, value_group = job->value_group, out_kind = job->out_kind;
+    const int64_t esize = out_kind == OUT_FLOAT32 ? 4 : 2;
+    float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM];
+    for (int64_t i = job->begin; i < job->end; ++i) {
+        const int64_t g = job->index ? job->index[i] : i;
+        const int64_t segment = i / job->most, first_slot = (i % job->most) * group;
+        const int64_t base = (segment / job->heads) * job->stride_batch + (segment % job->heads) * job->stride_head;
+        const uint16_t *key_params = job->key_params + g * 2 * dim;
+        for (int c = 0; c < dim; ++c) {
+            step[c] = half_to_float(key_params[c]);
+            minimum[c] = half_to_float(key_params[dim + c]);
+        }
+        for (int t = 0; t < group; ++t) {
+            const int64_t slot = g * group + t;
+            const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
+            const uint8_t *key_codes = job->key_codes + slot * width, *value_codes = job->value_codes + slot * width;
+            char *keys = job->out_keys + offset, *values = job->out_values + offset;
+            for (int c = 0; c < dim; c += 8) {
+                const __m256 x = _mm256_fmadd_ps(codes8(key_codes, c, bits), _mm256_loadu_ps(step + c),
+                                                 _mm256_loadu_ps(minimum + c));
+                store8(x, keys + c * esize, out_kind);
+            }
+            const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
+            for (int v = 0; v < value_groups; ++v) {
+                const __m256 s = _mm256_set1_ps(half_to_float(value_params[v]));
+                const __m256 m = _mm256_set1_ps(half_to_float(value_params[value_groups + v]));
+                for (int c = v * value_group; c < (v + 1) * value_group; c += 8)
+                    store8(_mm256_fmadd_ps(codes8(value_codes, c, bits), s, m), values + c * esize, out_kind);
+            }
+        }
+    }
+}
+#endif
+
+static void run(const Job *job) {
+    const int dim = job->dim, group = job->group, width = (dim * job->bits + 7) / 8;
+    const int value_groups = dim / job->value_group;
+    const int64_t esize = job->out_kind == OUT_FLOAT32 ? 4 : 2;
+    float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM], row[KVSIEVE_MAX_DIM], codes[KVSIEVE_MAX_DIM + 8];
+    for (int64_t i = job->begin; i < job->end; ++i) {
+        const int64_t g = job->index ? job->index[i] : i;
+        const int64_t segment = i / job->most, first_slot = (i % job->most) * group;
+        const int64_t base = (segment / job->heads) * job->stride_batch + (segment % job->heads) * job->stride_head;
+        const uint16_t *key_params = job->key_params + g * 2 * dim;
+        for (int c = 0; c < dim; ++c) {
+            step[c] = half_to_float(key_params[c]);
+            minimum[c] = half_to_float(key_params[dim + c]);
+        }
+        for (int t = 0; t < group; ++t) {
+            const int64_t slot = g * group + t;
+            const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
+            unpack_row(job->key_codes + slot * width, width, job->bits, job->table, codes);
+            for (int c = 0; c < dim; ++c) row[c] = minimum[c] + codes[c] * step[c];
+            store_row(row, dim, job->out_keys + offset, job->out_kind);
+            unpack_row(job->value_codes + slot * width, width, job->bits, job->table, codes);
+            const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
+            for (int v = 0; v < value_groups; ++v) {
+                const float s = half_to_float(value_params[v]), m = half_to_float(value_params[value_groups + v]);
+                for (int c = v * job->value_group; c < (v + 1) * job->value_group; ++c) row[c] = m + codes[c] * s;
+            }
+            store_row(row, dim, job->out_values + offset, job->out_kind);
+        }
+    }
+}
+
+/* Returns 0 on success, 1 for arguments this kernel does not take (the caller keeps its PyTorch path). */
+int kvsieve_dequantize(int bits, int group, int dim, int value_group, int64_t groups, int64_t most,
+                       const int64_t *index, const uint8_t *key_codes, const uint16_t *key_params,
+                       const uint8_t *value_codes, const uint16_t *value_params, int heads, void *out_keys,
+                       void *out_values, int out_kind, int64_t stride_batch, int64_t stride_head,
+                       int64_t stride_slot) {
+    if ((bits != 2 && bits != 4 && bits != 8) || dim < 1 || dim > KVSIEVE_MAX_DIM || group < 1 ||
+        value_group < 1 || dim % value_group || most < 1 || heads < 1 || out_kind < 0 || out_kind > 2)
+        return 1;
+    float table[256 * 4];
+    if (bits < 8) {
+        const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+        for (int byte = 0; byte < 256; ++byte)
+            for (int k = 0; k < per_byte; ++k) table[byte * per_byte + k] = (float)((byte >> (k * bits)) & mask);
+    }
+    Job job = {bits, group, dim, value_group, heads, out_kind, most, 0, groups, index, key_codes, value_codes,
+               key_params, value_params, (char *)out_keys, (char *)out_values, stride_batch, stride_head,
+               stride_slot, table};
+#ifdef KVSIEVE_VECTOR
+    if (dim % 8 == 0 && value_group % 8 == 0) {
+        run_vector(&job);
+        return 0;
+    }
+#endif
+    run(&job);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decoding attention over a tiered store without a dequantized view (kvsieve.native.tiered_attention).
+ *
+ * One decoding query per query head; a KV head's q_per_kv query heads are rows (b * heads + h) * q_per_kv + g. The
+ * full-precision part (kvsieve_attend_dense) and each tier (kvsieve_attend_tier) are folded into a running
+ * softmax state per row, in float32: m (the largest logit so far), l (sum of exp(logit - m)) and acc (sum of
+ * exp(logit - m) * value), so out = acc / l at the end, and the order of the parts does not matter beyond rounding.
+ * Each part is attended segment by segment in two passes: the logits q.k * scaling of all its entries (a tier's
+ * keys dequantized row by row as kvsieve_dequantize computes them), then exp(logit - max) and the weighted values.
+ * An invalid entry (validity 0) has no weight. exp is a vector polynomial (Cephes' expf: ~1 ulp; 0 below -87.3).
+ * Vector code only (AVX2, FMA, F16C): elsewhere these return 1 and the caller attends through its PyTorch path.
+ * ------------------------------------------------------------------------------------------------------------- */
+#define KVSIEVE_MAX_ROWS 16
+/* Entries of a call from which its segments are shared among torch's OpenMP threads (a build with OpenMP). */
+#define KVSIEVE_PARALLEL_FROM 4096
+
+#ifdef KVSIEVE_VECTOR
+#include <math.h>
+#include <stdlib.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, low);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
+/* Eight floats of a full-precision row (kind: OUT_FLOAT32, OUT_BFLOAT16 or OUT_FLOAT16). */
+static inline __m256 load8(const char *p, int kind) {
+    if (kind == OUT_FLOAT32) return _mm256_loadu_ps((const float *)p);
+    const __m128i half = _mm_loadu_si128((const __m128i *)p);
+    if (kind == OUT_FLOAT16) return _mm256_cvtph_ps(half);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* A segment's softmax part: logits[g * stride + e] of n entries (-inf: no weight) -> weights in place; returns
+ * the segment's max per row in seg_max and the sum of weights in seg_sum. */
+static void soften(float *logits, int rows, int64_t n, int64_t stride, float *seg_max, float *seg_sum) {
+    for (int g = 0; g < rows; ++g) {
+        float *x = logits + g * stride;
+        float top = -INFINITY;
+        for (int64_t e = 0; e < n; ++e) top = x[e] > top ? x[e] : top;
+        seg_max[g] = top;
+        __m256 total = _mm256_setzero_ps();
+        const __m256 shift = _mm256_set1_ps(top == -INFINITY ? 0.0f : top);
+        for (int64_t e = 0; e < stride; e += 8) {
+            const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + e), shift));
+            _mm256_storeu_ps(x + e, w);
+            total = _mm256_add_ps(total, w);
+        }
+        seg_sum[g] = hsum8(total);
+    }
+}
+
+/* Fold a segment's (seg_max, seg_sum, seg_acc) into the running state of its rows. */
+static void fold(int rows, int dim, const float *seg_max, const float *seg_sum, const float *seg_acc, float *m,
+                 float *l, float *acc) {
+    for (int g = 0; g < rows; ++g) {
+        if (seg_max[g] == -INFINITY) continue;
+        const float top = m[g] > seg_max[g] ? m[g] : seg_max[g];
+        const float old = m[g] == -INFINITY ? 0.0f : expf(m[g] - top), new = expf(seg_max[g] - top);
+        l[g] = l[g] * old + seg_sum[g] * new;
+        for (int c = 0; c < dim; ++c) acc[g * dim + c] = acc[g * dim + c] * old + seg_acc[g * dim + c] * new;
+        m[g] = top;
+    }
+}
+#endif
+
+#ifdef KVSIEVE_VECTOR
+/* One segment (batch item, KV head) of kvsieve_attend_dense. */
+static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const float *query, float scaling,
+                                const char *keys, const char *values, int kind, int64_t stride_batch,
+                                int64_t stride_head, int64_t stride_entry, int64_t length, const uint8_t *valid,
+                                float *m, float *l, float *acc) {
+    const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2, stride = (length + 7) / 8 * 8;
+    float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
+    if (!logits) return 1;
+    float seg_max[KVSIEVE_MAX_ROWS], seg_sum[KVSIEVE_MAX_ROWS], seg_acc[KVSIEVE_MAX_ROWS * 256];
+    const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
+    const char *k = keys + base, *v = values + base;
+    const float *q = query + s * rows * dim;
+    const uint8_t *ok = valid ? valid + s * length : NULL;
+    for (int64_t e = 0; e < rows * stride; ++e) logits[e] = -INFINITY;
+    for (int64_t e = 0; e < length; ++e) {
+        if (ok && !ok[e]) continue;
+        const char *row = k + e * stride_entry * esize;
+        __m256 dots[KVSIEVE_MAX_ROWS];
+        for (int g = 0; g < rows; ++g) dots[g] = _mm256_setzero_ps();
+        for (int c = 0; c < dim; c += 8) {
+            const __m256 x = load8(row + c * esize, kind);
+            for (int g = 0; g < rows; ++g) dots[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + c), x, dots[g]);
+        }
+        for (int g = 0; g < rows; ++g) logits[g * stride + e] = hsum8(dots[g]) * scaling;
+    }
+    soften(logits, rows, length, stride, seg_max, seg_sum);
+    for (int c = 0; c < dim; c += 8) {  /* the weighted values, one 8-channel block at a time in registers */
+        __m256 sums[KVSIEVE_MAX_ROWS];
+        for (int g = 0; g < rows; ++g) sums[g] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < length; ++e) {
+            if (ok && !ok[e]) continue;
+            const __m256 x = load8(v + (e * stride_entry + c) * esize, kind);
+            for (int g = 0; g < rows; ++g)
+                sums[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(logits + g * stride + e), x, sums[g]);
+        }
+        for (int g = 0; g < rows; ++g) _mm256_storeu_ps(seg_acc + g * dim + c, sums[g]);
+    }
+    fold(rows, dim, seg_max, seg_sum, seg_acc, m + s * rows, l + s * rows, acc + s * rows * dim);
+    free(logits);
+    return 0;
+}
+#endif
+
+int kvsieve_attend_dense(int batch, int heads, int rows, int dim, const float *query, float scaling,
+                         const void *keys, const void *values, int kind, int64_t stride_batch, int64_t stride_head,
+                         int64_t stride_entry, int64_t length, const uint8_t *valid, float *m, float *l, float *acc) {
+#ifdef KVSIEVE_VECTOR
+    if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || length < 1) return 1;
+    const int64_t segments = (int64_t)batch * heads;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed) if (segments * length >= KVSIEVE_PARALLEL_FROM)
+    for (int64_t s = 0; s < segments; ++s)
+        failed |= attend_dense_segment(s, heads, rows, dim, query, scaling, (const char *)keys, (const char *)values,
+                                       kind, stride_batch, stride_head, stride_entry, length, valid, m, l, acc);
+    return failed;
+#else
+    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)scaling; (void)keys; (void)values;
+    (void)kind; (void)stride_batch; (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)m;
+    (void)l; (void)acc;
+    return 1;
+#endif
+}
+
+#ifdef KVSIEVE_VECTOR
+/* One segment (batch item, KV head) of kvsieve_attend_tier. */
+static int attend_tier_segment(int64_t s, int bits, int group, int dim, int value_group, int64_t most,
+                               const int64_t *index, const uint8_t *key_codes, const uint16_t *key_params,
+                               const uint8_t *value_codes, const uint16_t *value_params, const uint8_t *valid,
+                               int rows, const float *query, float scaling, float *m, float *l, float *acc) {
+    const int64_t length = most * group, stride = (length + 7) / 8 * 8;
+    const int width = (dim * bits + 7) / 8, value_groups = dim / value_group;
+    float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
+    if (!logits) return 1;
+    float step[256], minimum[256], seg_max[KVSIEVE_MAX_ROWS], seg_sum[KVSIEVE_MAX_ROWS];
+    float seg_acc[KVSIEVE_MAX_ROWS * 256];
+    const float *q = query + s * rows * dim;
+    const uint8_t *ok = valid ? valid + s * length : NULL;
+    for (int64_t e = 0; e < rows * stride; ++e) logits[e] = -INFINITY;
+    for (int64_t j = 0; j < most; ++j) {
+        const int64_t gi = index ? index[s * most + j] : s * most + j;
+        const uint16_t *params = key_params + gi * 2 * dim;
+        for (int c = 0; c < dim; ++c) {
+            step[c] = half_to_float(params[c]);
+            minimum[c] = half_to_float(params[dim + c]);
+        }
+        for (int t = 0; t < group; ++t) {
+            const int64_t e = j * group + t;
+            if (ok && !ok[e]) continue;
+            const uint8_t *codes = key_codes + (gi * group + t) * width;
+            __m256 dots[KVSIEVE_MAX_ROWS];
+            for (int g = 0; g < rows; ++g) dots[g] = _mm256_setzero_ps();
+            for (int c = 0; c < dim; c += 8) {
+                const __m256 x = _mm256_fmadd_ps(codes8(codes, c, bits), _mm256_loadu_ps(step + c),
+                                                 _mm256_loadu_ps(minimum + c));
+                for (int g = 0; g < rows; ++g) dots[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + c), x, dots[g]);
+            }
+            for (int g = 0; g < rows; ++g) logits[g * stride + e] = hsum8(dots[g]) * scaling;
+        }
+    }
+    soften(logits, rows, length, stride, seg_max, seg_sum);
+    for (int vg = 0; vg < value_groups; ++vg) {
+        for (int c = vg * value_group; c < (vg + 1) * value_group; c += 8) {  /* one block at a time in registers */
+            __m256 sums[KVSIEVE_MAX_ROWS];
+            for (int g = 0; g < rows; ++g) sums[g] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < most; ++j) {
+                const int64_t gi = index ? index[s * most + j] : s * most + j;
+                for (int t = 0; t < group; ++t) {
+                    const int64_t e = j * group + t;
+                    if (ok && !ok[e]) continue;
+                    const int64_t slot = gi * group + t;
+                    const uint16_t *params = value_params + slot * 2 * value_groups;
+                    const __m256 x = _mm256_fmadd_ps(codes8(value_codes + slot * width, c, bits),
+                                                     _mm256_set1_ps(half_to_float(params[vg])),
+                                                     _mm256_set1_ps(half_to_float(params[value_groups + vg])));
+                    for (int g = 0; g < rows; ++g)
+                        sums[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(logits + g * stride + e), x, sums[g]);
+                }
+            }
+            for (int g = 0; g < rows; ++g) _mm256_storeu_ps(seg_acc + g * dim + c, sums[g]);
+        }
+    }
+    fold(rows, dim, seg_max, seg_sum, seg_acc, m + s * rows, l + s * rows, acc + s * rows * dim);
+    free(logits);
+    return 0;
+}
+#endif
+
+int kvsieve_attend_tier(int bits, int group, int dim, int value_group, int64_t groups, int64_t most,
+                        const int64_t *index, const uint8_t *key_codes, const uint16_t *key_params,
+                        const uint8_t *value_codes, const uint16_t *value_params, const uint8_t *valid, int heads,
+                        int rows, const float *query, float scaling, float *m, float *l, float *acc) {
+#ifdef KVSIEVE_VECTOR
+    if ((bits != 2 && bits != 4 && bits != 8) || dim % 8 || dim > 256 || value_group % 8 || dim % value_group ||
+        rows < 1 || rows > KVSIEVE_MAX_ROWS || group < 1 || most < 1 || heads < 1 || groups % most)
+        return 1;
+    const int64_t segments = groups / most;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed) if (groups * group >= KVSIEVE_PARALLEL_FROM)
+    for (int64_t s = 0; s < segments; ++s)
+        failed |= attend_tier_segment(s, bits, group, dim, value_group, most, index, key_codes, key_params,
+                                      value_codes, value_params, valid, rows, query, scaling, m, l, acc);
+    return failed;
+#else
+    (void)bits; (void)group; (void)dim; (void)value_group; (void)groups; (void)most; (void)index; (void)key_codes;
+    (void)key_params; (void)value_codes; (void)value_params; (void)valid; (void)heads; (void)rows; (void)query;
+    (void)scaling; (void)m; (void)l; (void)acc;
+    return 1;
+#endif
+}
