@@ -4,6 +4,7 @@ used by a mixed cache's decoding steps, and declined where it does not apply."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -20,7 +21,7 @@ from kvsieve.native import tiered_attention
 from kvsieve.native.tiered_attention import PackedTier, attend
 
 HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAS_COMPILER or tiered_attention._kernels() is None,
+pytestmark = pytest.mark.skipif(not HAS_COMPILER or tiered_attention._kernel() is None,
                                 reason="no C compiler or no AVX2/FMA/F16C build: the PyTorch path is the only one")
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
 
@@ -133,7 +134,7 @@ def test_what_it_does_not_take_is_left_to_the_pytorch_path(monkeypatch):
     assert attend(query, 0.25, keys.double(), keys.double(), None, []) is None  # a dtype it does not read
     meta = torch.empty(1, 1, 5, 16, device="meta")
     assert attend(query.to("meta"), 0.25, meta, meta, None, []) is None  # off the CPU
-    monkeypatch.setattr(tiered_attention, "_functions", None)
+    monkeypatch.setattr(tiered_attention, "_function", None)
     monkeypatch.setattr(tiered_attention, "_loaded", True)
     assert attend(query, 0.25, keys, keys, None, []) is None  # no built library
 
@@ -171,3 +172,22 @@ def test_a_mixed_cache_decodes_through_the_pass_close_to_the_dequantized_view(mo
     scale = runs[False][0].abs().max()
     tolerance = 1e-5 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=float(scale) * tolerance)
+
+
+def test_a_deep_copy_reads_its_own_packed_tiers():
+    """The pass keeps the tiers' addresses per tier version; a deep copy (same versions) must not read the original's
+    buffers: zeroing the original's codes after the copy leaves the copy's next step as it was."""
+    model = build_model("llama")
+    prompt = torch.randint(0, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(model, "mixed", budget=16, window=2, group=4, value_group=8)
+    with torch.no_grad():
+        token = model(prompt, **kvsieve.cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+        model(token, **kvsieve.cache_kwargs(model, cache), use_cache=True)  # the packed tiers are cached now
+        twin, reference = copy.deepcopy(cache), copy.deepcopy(cache)
+        expected = model(token, **kvsieve.cache_kwargs(model, reference), use_cache=True).logits
+        for layer in range(model.config.num_hidden_layers):
+            for tier in cache._store(layer).tiers:
+                tier.key_codes.zero_()
+                tier.value_codes.zero_()
+        got = model(token, **kvsieve.cache_kwargs(model, twin), use_cache=True).logits
+    assert torch.equal(got, expected)

@@ -48,6 +48,7 @@ class LayerStore(StoreTiers, StoreAppend, StoreSnapshot):  # StoreTiers first: i
         self._combined = None
         self._derived = {}
         self._tier_units = None
+        self._packed_tiers = None
         #: Side data that :meth:`write_rows` (a merge) or :meth:`restore` may have set away from its fill (host
         #: bookkeeping: a field not named here still holds its fill everywhere, e.g. every merge count is 1).
         self.written_sides: set[str] = set()

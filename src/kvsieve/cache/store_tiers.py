@@ -41,6 +41,8 @@ class StoreTiers(StoreCompaction):
     _derived: dict[tuple[object, ...], torch.Tensor]
     #: Each tier's bytes per segment in full-precision entries (Python floats), with the tiers and versions they are of.
     _tier_units: tuple[tuple[tuple[object, int], ...], list[list[float]]] | None
+    #: Each non-empty tier as the CPU's decoding pass reads it, with the tiers and versions they are of.
+    _packed_tiers: tuple[tuple[tuple[object, int, int], ...], list[PackedTier]] | None
 
     def add_tier(self, bits: int, group: int, value_group: int) -> int:
         """Create a tier at ``bits`` bits (KIVI groups of ``group`` tokens, ``value_group`` channels); its index."""
@@ -243,14 +245,20 @@ class StoreTiers(StoreCompaction):
         (:func:`kvsieve.native.tiered_attention.attend`: no dequantized view). None where that pass does not apply
         (off the CPU, among others); the caller then attends over :meth:`attention_view`."""
         full = super().dense()
-        parts = []
-        for tier in self.tiers:
-            if tier.empty:
-                continue
-            index, positions, valid = tier.attention_layout()
-            parts.append(PackedTier(tier.bits, tier.group, tier.value_group, tier.key_codes, tier.key_params,
-                                    tier.value_codes, tier.value_params, index, valid, positions.shape[2]))
-        return attend_tiers(query, scaling, full.keys, full.values, full.valid, parts)
+        # the buffers' address too: a deep copy of the store copies this cache with the versions (and the addresses
+        # its descriptors hold), and must read its own buffers
+        key = tuple((tier, tier.version, tier.key_codes.data_ptr()) for tier in self.tiers)
+        cached = self._packed_tiers
+        if cached is None or cached[0] != key:
+            parts = []
+            for tier in self.tiers:
+                if tier.empty:
+                    continue
+                index, positions, valid = tier.attention_layout()
+                parts.append(PackedTier(tier.bits, tier.group, tier.value_group, tier.key_codes, tier.key_params,
+                                        tier.value_codes, tier.value_params, index, valid, positions.shape[2]))
+            cached = self._packed_tiers = (key, parts)
+        return attend_tiers(query, scaling, full.keys, full.values, full.valid, cached[1])
 
     def _combine(self, full: DenseView) -> tuple[DenseView, torch.Tensor, torch.Tensor]:
         b, h = self.batch, self.heads

@@ -15,14 +15,14 @@ its PyTorch path.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvsieve.native import build
 from kvsieve.native.dequantize import OUT_KINDS
 
-_functions: tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None = None  # type: ignore[name-defined]
+_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _loaded = False
 
 
@@ -30,7 +30,9 @@ _loaded = False
 class PackedTier:
     """One tier's buffers and slot layout as :meth:`~kvsieve.cache.quantized_tier.QuantizedTier.attention_layout`
     gives it: ``index`` the groups in layout order (None: all, in order), ``valid`` ``(batch, heads, slots)`` bool
-    (None: every slot holds an entry), ``slots`` per segment."""
+    (None: every slot holds an entry), ``slots`` per segment. ``descriptor`` is what ``tiers.c`` reads (the fields
+    and the tensors' addresses, ``T_FIELDS`` int64): valid while this object holds the tensors and the tier does
+    not change (its owner keeps one per tier version)."""
 
     bits: int
     group: int
@@ -42,26 +44,46 @@ class PackedTier:
     index: torch.Tensor | None
     valid: torch.Tensor | None
     slots: int
+    descriptor: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index = None if self.index is None else self.index.contiguous()
+        valid = None if self.valid is None else self.valid.contiguous()
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "valid", valid)
+        readable = (self.key_codes.device.type == "cpu" and self.key_params.dtype == torch.float16
+                    and self.value_params.dtype == torch.float16 and self.slots % self.group == 0
+                    and all(t.is_contiguous() for t in (self.key_codes, self.key_params, self.value_codes,
+                                                         self.value_params))
+                    and (index is None or index.dtype == torch.int64) and (valid is None or valid.dtype == torch.bool))
+        fields = [self.bits, self.group, self.value_group, self.slots // self.group, _address(index),
+                  self.key_codes.data_ptr(), self.key_params.data_ptr(), self.value_codes.data_ptr(),
+                  self.value_params.data_ptr(), _address(valid)] if readable else [0] * 10
+        object.__setattr__(self, "descriptor", torch.tensor(fields, dtype=torch.int64))
+
+    @property
+    def readable(self) -> bool:
+        """Whether ``tiers.c`` can read this tier (on the CPU, contiguous, in the dtypes it reads)."""
+        return bool(self.descriptor[0])
 
 
-def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
-    global _functions, _loaded
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    global _function, _loaded
     if not _loaded:
         library = build.load("tiers")
         if library is not None:
             i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-            dense, tier = library.kvsieve_attend_dense, library.kvsieve_attend_tier
-            dense.argtypes = [i32, i32, i32, i32, ptr, f32, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
-            tier.argtypes = [i32, i32, i32, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, ptr, f32, ptr, ptr,
-                             ptr]
-            dense.restype = tier.restype = i32
-            _functions = (dense, tier)
+            function = library.kvsieve_attend_tiered
+            function.argtypes = [i32, i32, i32, i32, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32, i64, i64, i64, i64,
+                                 ptr, i32, ptr]
+            function.restype = i32
+            _function = function
         _loaded = True
-    return _functions
-
-
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    return _function
 
 
 def attend(query: torch.Tensor, scaling: float, keys: torch.Tensor, values: torch.Tensor,
@@ -69,46 +91,28 @@ def attend(query: torch.Tensor, scaling: float, keys: torch.Tensor, values: torc
     """Softmax attention of ``query`` ``(batch, q_heads, 1, d)`` over the full-precision entries ``keys``/``values``
     ``(batch, kv_heads, L, d)`` (any strides but a unit stride over ``d``; ``valid`` ``(batch, kv_heads, L)`` bool or
     None) and every tier's entries: ``(batch, 1, q_heads, d)`` in the query's dtype, or None where the pass does not
-    apply (module docstring)."""
+    apply (module docstring). One C call: each (batch item, KV head) reads its query rows, its full-precision
+    entries and every tier, and writes its output rows."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads = keys.shape[1]
     rows = q_heads // kv_heads if kv_heads else 0
-    kind = OUT_KINDS.get(keys.dtype)
-    if (query.device.type != "cpu" or keys.device.type != "cpu" or q_len != 1 or kind is None or dim % 8 or dim > 256
-            or rows < 1 or rows > 16 or rows * kv_heads != q_heads or values.dtype != keys.dtype
-            or values.shape != keys.shape or values.stride() != keys.stride() or keys.stride(3) != 1
-            or (valid is not None and valid.dtype != torch.bool)):
+    kind, query_kind = OUT_KINDS.get(keys.dtype), OUT_KINDS.get(query.dtype)
+    if (query.device.type != "cpu" or keys.device.type != "cpu" or q_len != 1 or kind is None or query_kind is None
+            or dim % 8 or dim > 256 or rows < 1 or rows > 16 or rows * kv_heads != q_heads or query.stride(3) != 1
+            or values.dtype != keys.dtype or values.shape != keys.shape or values.stride() != keys.stride()
+            or keys.stride(3) != 1 or (valid is not None and valid.dtype != torch.bool)
+            or not all(tier.readable for tier in tiers)):
         return None
-    for tier in tiers:
-        if (tier.key_codes.device.type != "cpu" or tier.value_group % 8 or tier.slots % tier.group
-                or tier.key_params.dtype != torch.float16 or tier.value_params.dtype != torch.float16
-                or (tier.index is not None and tier.index.dtype != torch.int64)
-                or (tier.valid is not None and tier.valid.dtype != torch.bool)):
-            return None
-    kernels = _kernels()
-    if kernels is None:
+    kernel = _kernel()
+    if kernel is None:
         return None
-    dense, tier_kernel = kernels
-    q = query.reshape(batch, q_heads, dim).float().contiguous()
-    m = torch.full((batch * q_heads,), float("-inf"))
-    l_sum = torch.zeros(batch * q_heads)
-    acc = torch.zeros(batch * q_heads, dim)
-    length = keys.shape[2]
-    if length:
-        ok = None if valid is None else valid.contiguous()
-        if dense(batch, kv_heads, rows, dim, q.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(), kind,
-                 keys.stride(0), keys.stride(1), keys.stride(2), length, _pointer(ok), m.data_ptr(), l_sum.data_ptr(),
-                 acc.data_ptr()):
-            return None
-    for tier in tiers:
-        most = tier.slots // tier.group
-        groups = batch * kv_heads * most
-        index = None if tier.index is None else tier.index.contiguous()
-        ok = None if tier.valid is None else tier.valid.contiguous()
-        if groups and tier_kernel(tier.bits, tier.group, dim, tier.value_group, groups, most, _pointer(index),
-                                  tier.key_codes.data_ptr(), tier.key_params.data_ptr(), tier.value_codes.data_ptr(),
-                                  tier.value_params.data_ptr(), _pointer(ok), kv_heads, rows, q.data_ptr(), scaling,
-                                  m.data_ptr(), l_sum.data_ptr(), acc.data_ptr()):
-            return None
-    out = acc.div_(l_sum[:, None]).to(query.dtype)
-    return out.view(batch, 1, q_heads, dim)
+    descriptors = None
+    if tiers:
+        descriptors = tiers[0].descriptor if len(tiers) == 1 else torch.cat([tier.descriptor for tier in tiers])
+    ok = None if valid is None else valid.contiguous()
+    out = torch.empty((batch, 1, q_heads, dim), dtype=query.dtype)
+    status = kernel(batch, kv_heads, rows, dim, query.data_ptr(), query_kind, query.stride(0), query.stride(1),
+                    out.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(), kind, keys.stride(0), keys.stride(1),
+                    keys.stride(2), keys.shape[2], _address(ok), len(tiers),
+                    None if descriptors is None else descriptors.data_ptr())
+    return out if status == 0 else None

@@ -309,8 +309,8 @@ static void fold(int rows, int dim, const float *seg_max, const float *seg_sum, 
 #endif
 
 #ifdef KVSIEVE_VECTOR
-/* One segment (batch item, KV head) of kvsieve_attend_dense. */
-static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const float *query, float scaling,
+/* The full-precision part of one segment (batch item, KV head), folded into its rows' state m, l, acc. */
+static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const float *q, float scaling,
                                 const char *keys, const char *values, int kind, int64_t stride_batch,
                                 int64_t stride_head, int64_t stride_entry, int64_t length, const uint8_t *valid,
                                 float *m, float *l, float *acc) {
@@ -320,7 +320,6 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
     float seg_max[KVSIEVE_MAX_ROWS], seg_sum[KVSIEVE_MAX_ROWS], seg_acc[KVSIEVE_MAX_ROWS * 256];
     const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
     const char *k = keys + base, *v = values + base;
-    const float *q = query + s * rows * dim;
     const uint8_t *ok = valid ? valid + s * length : NULL;
     for (int64_t e = 0; e < rows * stride; ++e) logits[e] = -INFINITY;
     for (int64_t e = 0; e < length; ++e) {
@@ -346,45 +345,24 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
         }
         for (int g = 0; g < rows; ++g) _mm256_storeu_ps(seg_acc + g * dim + c, sums[g]);
     }
-    fold(rows, dim, seg_max, seg_sum, seg_acc, m + s * rows, l + s * rows, acc + s * rows * dim);
+    fold(rows, dim, seg_max, seg_sum, seg_acc, m, l, acc);
     free(logits);
     return 0;
 }
 #endif
 
-int kvsieve_attend_dense(int batch, int heads, int rows, int dim, const float *query, float scaling,
-                         const void *keys, const void *values, int kind, int64_t stride_batch, int64_t stride_head,
-                         int64_t stride_entry, int64_t length, const uint8_t *valid, float *m, float *l, float *acc) {
 #ifdef KVSIEVE_VECTOR
-    if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || length < 1) return 1;
-    const int64_t segments = (int64_t)batch * heads;
-    int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed) if (segments * length >= KVSIEVE_PARALLEL_FROM)
-    for (int64_t s = 0; s < segments; ++s)
-        failed |= attend_dense_segment(s, heads, rows, dim, query, scaling, (const char *)keys, (const char *)values,
-                                       kind, stride_batch, stride_head, stride_entry, length, valid, m, l, acc);
-    return failed;
-#else
-    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)scaling; (void)keys; (void)values;
-    (void)kind; (void)stride_batch; (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)m;
-    (void)l; (void)acc;
-    return 1;
-#endif
-}
-
-#ifdef KVSIEVE_VECTOR
-/* One segment (batch item, KV head) of kvsieve_attend_tier. */
+/* One tier's part of one segment, folded into its rows' state m, l, acc. */
 static int attend_tier_segment(int64_t s, int bits, int group, int dim, int value_group, int64_t most,
                                const int64_t *index, const uint8_t *key_codes, const uint16_t *key_params,
                                const uint8_t *value_codes, const uint16_t *value_params, const uint8_t *valid,
-                               int rows, const float *query, float scaling, float *m, float *l, float *acc) {
+                               int rows, const float *q, float scaling, float *m, float *l, float *acc) {
     const int64_t length = most * group, stride = (length + 7) / 8 * 8;
     const int width = (dim * bits + 7) / 8, value_groups = dim / value_group;
     float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
     if (!logits) return 1;
     float step[256], minimum[256], seg_max[KVSIEVE_MAX_ROWS], seg_sum[KVSIEVE_MAX_ROWS];
     float seg_acc[KVSIEVE_MAX_ROWS * 256];
-    const float *q = query + s * rows * dim;
     const uint8_t *ok = valid ? valid + s * length : NULL;
     for (int64_t e = 0; e < rows * stride; ++e) logits[e] = -INFINITY;
     for (int64_t j = 0; j < most; ++j) {
@@ -409,6 +387,18 @@ static int attend_tier_segment(int64_t s, int bits, int group, int dim, int valu
         }
     }
     soften(logits, rows, length, stride, seg_max, seg_sum);
+    /* each entry's value steps and minimums as floats, once: [e][vg] = step, [e][value_groups + vg] = minimum */
+    float *value_floats = malloc(sizeof(float) * (size_t)(length * 2 * value_groups));
+    if (!value_floats) {
+        free(logits);
+        return 1;
+    }
+    for (int64_t j = 0; j < most; ++j) {
+        const int64_t gi = index ? index[s * most + j] : s * most + j;
+        const uint16_t *params = value_params + gi * group * 2 * value_groups;
+        for (int64_t k = 0; k < (int64_t)group * 2 * value_groups; ++k)
+            value_floats[j * group * 2 * value_groups + k] = half_to_float(params[k]);
+    }
     for (int vg = 0; vg < value_groups; ++vg) {
         for (int c = vg * value_group; c < (vg + 1) * value_group; c += 8) {  /* one block at a time in registers */
             __m256 sums[KVSIEVE_MAX_ROWS];
@@ -418,11 +408,10 @@ static int attend_tier_segment(int64_t s, int bits, int group, int dim, int valu
                 for (int t = 0; t < group; ++t) {
                     const int64_t e = j * group + t;
                     if (ok && !ok[e]) continue;
-                    const int64_t slot = gi * group + t;
-                    const uint16_t *params = value_params + slot * 2 * value_groups;
-                    const __m256 x = _mm256_fmadd_ps(codes8(value_codes + slot * width, c, bits),
-                                                     _mm256_set1_ps(half_to_float(params[vg])),
-                                                     _mm256_set1_ps(half_to_float(params[value_groups + vg])));
+                    const float *params = value_floats + e * 2 * value_groups;
+                    const __m256 x = _mm256_fmadd_ps(codes8(value_codes + (gi * group + t) * width, c, bits),
+                                                     _mm256_broadcast_ss(params + vg),
+                                                     _mm256_broadcast_ss(params + value_groups + vg));
                     for (int g = 0; g < rows; ++g)
                         sums[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(logits + g * stride + e), x, sums[g]);
                 }
@@ -430,31 +419,96 @@ static int attend_tier_segment(int64_t s, int bits, int group, int dim, int valu
             for (int g = 0; g < rows; ++g) _mm256_storeu_ps(seg_acc + g * dim + c, sums[g]);
         }
     }
-    fold(rows, dim, seg_max, seg_sum, seg_acc, m + s * rows, l + s * rows, acc + s * rows * dim);
+    free(value_floats);
+    fold(rows, dim, seg_max, seg_sum, seg_acc, m, l, acc);
     free(logits);
     return 0;
 }
 #endif
 
-int kvsieve_attend_tier(int bits, int group, int dim, int value_group, int64_t groups, int64_t most,
-                        const int64_t *index, const uint8_t *key_codes, const uint16_t *key_params,
-                        const uint8_t *value_codes, const uint16_t *value_params, const uint8_t *valid, int heads,
-                        int rows, const float *query, float scaling, float *m, float *l, float *acc) {
+/* A tier as kvsieve.native.tiered_attention.PackedTier describes it: bits, group, value_group, slots per segment
+ * ("most" groups of "group"), then the addresses of its group index (0: none), key codes, key params, value codes,
+ * value params and slot validity (0: all valid). */
+enum { T_BITS, T_GROUP, T_VALUE_GROUP, T_MOST, T_INDEX, T_KEY_CODES, T_KEY_PARAMS, T_VALUE_CODES, T_VALUE_PARAMS,
+       T_VALID, T_FIELDS };
+
 #ifdef KVSIEVE_VECTOR
-    if ((bits != 2 && bits != 4 && bits != 8) || dim % 8 || dim > 256 || value_group % 8 || dim % value_group ||
-        rows < 1 || rows > KVSIEVE_MAX_ROWS || group < 1 || most < 1 || heads < 1 || groups % most)
-        return 1;
-    const int64_t segments = groups / most;
+static int tier_ok(const int64_t *t, int dim) {
+    const int64_t bits = t[T_BITS], value_group = t[T_VALUE_GROUP];
+    return (bits == 2 || bits == 4 || bits == 8) && value_group >= 8 && value_group % 8 == 0 && dim % value_group == 0
+           && t[T_GROUP] >= 1 && t[T_MOST] >= 1;
+}
+
+/* One segment: its query rows as floats, the full-precision part, every tier, then out = acc / l rounded. */
+static int attend_segment(int64_t s, int heads, int rows, int dim, const char *query, int query_kind,
+                          int64_t query_batch, int64_t query_head, char *out, float scaling, const char *keys,
+                          const char *values, int kind, int64_t stride_batch, int64_t stride_head,
+                          int64_t stride_entry, int64_t length, const uint8_t *valid, int tiers,
+                          const int64_t *descriptors) {
+    float q[KVSIEVE_MAX_ROWS * 256], m[KVSIEVE_MAX_ROWS], l[KVSIEVE_MAX_ROWS], acc[KVSIEVE_MAX_ROWS * 256];
+    const int64_t qsize = query_kind == OUT_FLOAT32 ? 4 : 2, osize = qsize;
+    for (int g = 0; g < rows; ++g) {
+        const char *row = query + ((s / heads) * query_batch + ((s % heads) * rows + g) * query_head) * qsize;
+        for (int c = 0; c < dim; c += 8) _mm256_storeu_ps(q + g * dim + c, load8(row + c * qsize, query_kind));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
     int failed = 0;
-#pragma omp parallel for schedule(static) reduction(| : failed) if (groups * group >= KVSIEVE_PARALLEL_FROM)
+    if (length > 0)
+        failed |= attend_dense_segment(s, heads, rows, dim, q, scaling, keys, values, kind, stride_batch, stride_head,
+                                       stride_entry, length, valid, m, l, acc);
+    for (int t = 0; t < tiers && !failed; ++t) {
+        const int64_t *d = descriptors + t * T_FIELDS;
+        failed |= attend_tier_segment(s, (int)d[T_BITS], (int)d[T_GROUP], dim, (int)d[T_VALUE_GROUP], d[T_MOST],
+                                      (const int64_t *)(intptr_t)d[T_INDEX], (const uint8_t *)(intptr_t)d[T_KEY_CODES],
+                                      (const uint16_t *)(intptr_t)d[T_KEY_PARAMS],
+                                      (const uint8_t *)(intptr_t)d[T_VALUE_CODES],
+                                      (const uint16_t *)(intptr_t)d[T_VALUE_PARAMS],
+                                      (const uint8_t *)(intptr_t)d[T_VALID], rows, q, scaling, m, l, acc);
+    }
+    for (int g = 0; g < rows; ++g) {
+        const __m256 inverse = _mm256_set1_ps(1.0f / l[g]);
+        char *row = out + ((s * rows + g) * (int64_t)dim) * osize;
+        for (int c = 0; c < dim; c += 8)
+            store8(_mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + c), inverse), row + c * osize, query_kind);
+    }
+    return failed;
+}
+#endif
+
+/* A decoding query per query head over a tiered store: out (batch, 1, heads * rows, dim) in the query's dtype,
+ * contiguous. query (batch, heads * rows, 1, dim) with element strides query_batch / query_head (unit over dim);
+ * keys / values the full-precision part (batch, heads, length, dim) with element strides stride_* (unit over dim),
+ * valid its (batch, heads, length) bool validity or NULL; descriptors: tiers x T_FIELDS int64. Returns 0, or 1 for
+ * arguments it does not take (nothing is then written that the caller reads). */
+int kvsieve_attend_tiered(int batch, int heads, int rows, int dim, const void *query, int query_kind,
+                          int64_t query_batch, int64_t query_head, void *out, float scaling, const void *keys,
+                          const void *values, int kind, int64_t stride_batch, int64_t stride_head,
+                          int64_t stride_entry, int64_t length, const uint8_t *valid, int tiers,
+                          const int64_t *descriptors) {
+#ifdef KVSIEVE_VECTOR
+    if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || query_kind < 0 ||
+        query_kind > 2 || length < 0 || tiers < 0 || batch < 1 || heads < 1)
+        return 1;
+    int64_t entries = length;
+    for (int t = 0; t < tiers; ++t) {
+        if (!tier_ok(descriptors + t * T_FIELDS, dim)) return 1;
+        entries += descriptors[t * T_FIELDS + T_MOST] * descriptors[t * T_FIELDS + T_GROUP];
+    }
+    if (entries == 0) return 1;
+    const int64_t segments = (int64_t)batch * heads;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed) if (segments * entries >= KVSIEVE_PARALLEL_FROM)
     for (int64_t s = 0; s < segments; ++s)
-        failed |= attend_tier_segment(s, bits, group, dim, value_group, most, index, key_codes, key_params,
-                                      value_codes, value_params, valid, rows, query, scaling, m, l, acc);
+        failed |= attend_segment(s, heads, rows, dim, (const char *)query, query_kind, query_batch, query_head,
+                                 (char *)out, scaling, (const char *)keys, (const char *)values, kind, stride_batch,
+                                 stride_head, stride_entry, length, valid, tiers, descriptors);
     return failed;
 #else
-    (void)bits; (void)group; (void)dim; (void)value_group; (void)groups; (void)most; (void)index; (void)key_codes;
-    (void)key_params; (void)value_codes; (void)value_params; (void)valid; (void)heads; (void)rows; (void)query;
-    (void)scaling; (void)m; (void)l; (void)acc;
+    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
+    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)stride_batch;
+    (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)tiers; (void)descriptors;
     return 1;
 #endif
 }
