@@ -275,10 +275,12 @@ def device_info(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                 "cuda": torch.version.cuda}
+    from kvsieve.native import tiered_attention
     from kvsieve.native.dequantize import available
 
-    # whether the tiers dequantize through kvsieve's C pass (KVSIEVE_NATIVE=0 or no compiler: the PyTorch path)
-    return {"type": "cpu", **cpu_info(), "native_dequantize": available()}
+    # whether decoding reads the packed tiers through kvsieve's C helpers (KVSIEVE_NATIVE=0 or no compiler: PyTorch)
+    return {"type": "cpu", **cpu_info(), "native_dequantize": available(),
+            "native_tiered_attention": tiered_attention._kernel() is not None}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
