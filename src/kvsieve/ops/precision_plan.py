@@ -67,11 +67,10 @@ def group_aware_plan(
         order = torch.argsort(masked, dim=1, descending=True, stable=True)
         return torch.empty_like(order).scatter_(1, order, positions)
 
-    # 1. the best model-dtype entries stay
-    full_rank = ranks(torch.where(is_full, values, neg))
-    stay = is_full & (full_rank < full.to(device)[:, None])
     if not quantized:
-        return _first_plan(is_full, full_rank, stay, full.to(device), groups, group)
+        return _first_plan(is_full, torch.where(is_full, values, neg), full.to(device), groups, group)
+    # 1. the best model-dtype entries stay
+    stay = is_full & (ranks(torch.where(is_full, values, neg)) < full.to(device)[:, None])
     keep = stay.clone()
     target = torch.where(valid & (origin > 0), origin, torch.zeros_like(origin))
     candidate = is_full & ~stay
@@ -108,19 +107,37 @@ def group_aware_plan(
     return keep, target
 
 
-def _first_plan(is_full: torch.Tensor, rank: torch.Tensor, stay: torch.Tensor, full: torch.Tensor,
-                groups: list[torch.Tensor], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_plan(is_full: torch.Tensor, masked: torch.Tensor, full: torch.Tensor, groups: list[torch.Tensor],
+                group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`group_aware_plan` when no tier holds an entry. Its new groups of a tier are the candidates in score
     order cut into groups of ``G``, so their mean scores do not increase from one to the next and the stable
     choice of the best ``groups[t]`` takes the first ones: the candidates ranked ``edge … edge + G·groups[t] − 1``
-    after the entries that stay (``edge`` starting at ``full``); the next tier continues from there."""
-    keep = stay.clone()
-    target = torch.zeros_like(rank)
-    edge = full[:, None]
-    for tier, allowed in enumerate(groups, start=1):
-        end = edge + allowed.to(rank.device)[:, None] * group
-        demoted = is_full & (rank >= edge) & (rank < end)
+    after the entries that stay (``edge`` starting at ``full``); the next tier continues from there. The ranks are
+    never computed: each edge is a top-``k`` membership (:func:`_ranked_below`) from one ``topk``."""
+    edges = [full]
+    for allowed in groups:
+        edges.append(edges[-1] + allowed.to(full.device) * group)
+    most = min(int(edges[-1].max()) if edges[-1].numel() else 0, masked.shape[1])  # one host read per plan
+    top = torch.topk(masked, most, dim=1, sorted=True).values if most else None
+    inside = [_ranked_below(masked, top, edge) for edge in edges]
+    keep = is_full & inside[0]
+    target = torch.zeros(masked.shape, dtype=torch.long, device=masked.device)
+    for tier in range(1, len(edges)):
+        demoted = is_full & inside[tier] & ~inside[tier - 1]
         keep |= demoted
         target.masked_fill_(demoted, tier)
-        edge = end
     return keep, target
+
+
+def _ranked_below(masked: torch.Tensor, top: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
+    """Whether each slot ranks below ``count[s]`` in its segment by descending ``masked``, equal values ranked by
+    slot (the stable descending sort's ranks): the values above the ``count``-th largest (``top``, the sorted
+    largest values), then the first of its equals as needed."""
+    if top is None:
+        return torch.zeros(masked.shape, dtype=torch.bool, device=masked.device)
+    count = count.clamp(max=top.shape[1])[:, None]
+    threshold = torch.gather(top, 1, (count - 1).clamp(min=0))
+    above = masked > threshold
+    equal = masked == threshold
+    needed = count - above.sum(dim=1, keepdim=True)
+    return (above | (equal & (torch.cumsum(equal, dim=1) <= needed))) & (count > 0)
