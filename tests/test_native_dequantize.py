@@ -168,3 +168,34 @@ def test_a_mixed_cache_decodes_through_the_pass_as_through_the_pytorch_path(monk
         logits[native] = torch.stack(steps)
     assert calls and all(calls), "the mixed cache's decoding steps did not take the C pass"
     assert torch.equal(logits[True], logits[False])
+
+
+@given(counts=st.lists(st.integers(0, 40), min_size=4, max_size=4).filter(lambda c: sum(c) > 0),
+       bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([1, 4, 32]), split=st.sampled_from([1, 2, 4]),
+       dim=st.sampled_from([10, 12, 16, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 99), flat=st.booleans())
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_new_groups_are_quantized_as_the_pytorch_path_quantizes_them(counts, bits, group, split, dim, dtype, seed,
+                                                                      flat):
+    """``QuantizedTier.add`` through the C pass (``kvsieve.native.quantize``) and through PyTorch: the same packed
+    codes and the same float16 steps and minimums, bit for bit — partial groups, head sizes whose codes do not fill the
+    last byte (10), constant channels (``flat``: a zero range, step 0), values up to ~1e4."""
+    if dim % split:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    keys = torch.randn(n, dim, generator=gen) * torch.logspace(-2, 4, dim)
+    values = torch.randn(n, dim, generator=gen) * 3
+    if flat:
+        keys[:, 0] = 1.5
+        values[: n // 2] = -0.25
+    positions = torch.cat([torch.arange(c) for c in counts])
+    tiers = []
+    for native in (True, False):
+        tier = QuantizedTier(2, 2, dim, bits, group, dim // split, dtype, torch.device("cpu"))
+        tier.add(keys.to(dtype), values.to(dtype), positions, torch.tensor(counts), native=native)
+        tiers.append(tier)
+    for name in ("key_codes", "value_codes", "positions", "valid"):
+        assert torch.equal(getattr(tiers[0], name), getattr(tiers[1], name)), name
+    for name in ("key_params", "value_params"):
+        assert torch.equal(getattr(tiers[0], name).view(torch.int16), getattr(tiers[1], name).view(torch.int16)), name

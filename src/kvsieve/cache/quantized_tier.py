@@ -23,6 +23,7 @@ import torch
 
 from kvsieve.cache.side_data import SideSpec
 from kvsieve.native.dequantize import dequantize_into
+from kvsieve.native.quantize import quantize_groups
 from kvsieve.ops.quantize import PARAM_DTYPE, asymmetric_codes, check_bits, code_table, pack, unpack_float
 
 #: Prefix of a tier's side data in :meth:`QuantizedTier.state` (``extra.h2o_acc``).
@@ -106,10 +107,12 @@ class QuantizedTier:
 
     # ------------------------------------------------------------------ adding entries
     def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
-            extras: dict[str, torch.Tensor] | None = None) -> None:
+            extras: dict[str, torch.Tensor] | None = None, native: bool = True) -> None:
         """Quantize and add entries: ``keys``/``values`` ``(n, d)``, ``positions`` ``(n,)``, grouped by segment
         in segment order, ``counts`` (host ``(segments,)``) entries of each segment, in position order;
-        ``extras`` their side data ``(n, ...)`` (a field not given starts at its fill)."""
+        ``extras`` their side data ``(n, ...)`` (a field not given starts at its fill). ``native``: on the CPU the
+        codes are made by kvsieve's C pass where it is built (:mod:`kvsieve.native.quantize`, bit for bit the
+        PyTorch path below; False keeps the PyTorch path, the reference the tests compare it with)."""
         counts = counts.to(torch.long).cpu()
         if int(counts.sum()) != keys.shape[0]:
             raise ValueError(f"counts sum to {int(counts.sum())} entries; got {keys.shape[0]}")
@@ -129,8 +132,13 @@ class QuantizedTier:
         pos = torch.zeros(total * g, dtype=torch.long, device=self.device)
         valid = torch.zeros(total * g, dtype=torch.bool, device=self.device)
         padded_k[slot], padded_v[slot], pos[slot], valid[slot] = keys.float(), values.float(), positions, True
-        key_codes, key_params = self._quantize_keys(padded_k.view(total, g, d), valid.view(total, g))
-        value_codes, value_params = self._quantize_values(padded_v)
+        coded = quantize_groups(self.bits, g, self.value_group, padded_k.view(total, g, d),
+                                padded_v.view(total, g, d), valid.view(total, g)) if native else None
+        if coded is not None:  # the CPU's C pass: the same codes and parameters bit for bit
+            key_codes, key_params, value_codes, value_params = coded
+        else:
+            key_codes, key_params = self._quantize_keys(padded_k.view(total, g, d), valid.view(total, g))
+            value_codes, value_params = self._quantize_values(padded_v)
         side = []
         for name, spec in self.side_specs.items():
             padded = torch.full((total * g, *spec.shape), spec.fill, dtype=spec.dtype, device=self.device)

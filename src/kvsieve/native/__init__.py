@@ -4,7 +4,8 @@ the CPU, ``KVSIEVE_NATIVE=0``).
 
 - :mod:`kvsieve.native.dequantize`: a precision tier's KIVI dequantization into the attention view (bit for bit);
 - :mod:`kvsieve.native.tiered_attention`: a decoding query's attention over packed tiers and full-precision entries
-  read in place (float32 softmax over exactly the dequantized entries; SDPA's output within rounding).
+  read in place (float32 softmax over exactly the dequantized entries; SDPA's output within rounding);
+- :mod:`kvsieve.native.quantize`: a tier's new groups quantized and packed (bit for bit).
 
-Both are in ``tiers.c``.
+All three are in ``tiers.c``.
 """

@@ -22,7 +22,9 @@
  * Group i of the gathered order (index[i], or i without an index) is written to the view's segment i / most
  * (batch item = segment / heads, KV head = segment % heads) at slots (i % most) * group ... + group - 1.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KVSIEVE_MAX_DIM 1024
@@ -222,6 +224,96 @@ int kvsieve_dequantize(int bits, int group, int dim, int value_group, int64_t gr
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
+ * KIVI quantization of new groups (kvsieve_quantize; the Python reference is QuantizedTier._quantize_keys and
+ * _quantize_values with kvsieve.ops.quantize.asymmetric_codes and pack, computed here bit for bit): per group and
+ * channel for keys over the group's valid slots, per token and value group for values; a bound is rounded to float16,
+ * step = float16((high - low) / levels), code = clamp(round_half_even((x - low) / step), 0, levels) (step 1 where it
+ * is 0), an invalid key slot's codes 0.
+ * ------------------------------------------------------------------------------------------------------------- */
+static inline float half_round(float f) { return half_to_float(float_to_half(f)); }
+
+/* Codes of n values x[i * step_x] against (low, high) bounds, written unpacked to codes[i * step_c]. */
+static inline void code_values(const float *x, int64_t stride_x, int n, float low, float high, int levels,
+                               uint8_t *codes, int64_t stride_c, float *step_out, float *low_out) {
+    const float low16 = half_round(low);
+    float high16 = half_round(high);
+    if (high16 < low16) high16 = low16;
+    const float step = half_round((high16 - low16) / (float)levels);
+    const float safe = step > 0.0f ? step : 1.0f;
+    for (int i = 0; i < n; ++i) {
+        float q = nearbyintf((x[i * stride_x] - low16) / safe);
+        q = q < 0.0f ? 0.0f : (q > (float)levels ? (float)levels : q);
+        codes[i * stride_c] = (uint8_t)q;
+    }
+    *step_out = step;
+    *low_out = low16;
+}
+
+static inline void pack_row(const uint8_t *codes, int dim, int bits, uint8_t *out) {
+    const int per_byte = 8 / bits, width = (dim * bits + 7) / 8;
+    for (int b = 0; b < width; ++b) {
+        unsigned byte = 0;
+        for (int k = 0; k < per_byte; ++k) {
+            const int c = b * per_byte + k;
+            if (c < dim) byte |= (unsigned)codes[c] << (k * bits);
+        }
+        out[b] = (uint8_t)byte;
+    }
+}
+
+/* keys, values: (groups * group, dim) float32; valid: (groups * group) bool. Writes key_codes (groups, group,
+ * width), key_params (groups, 2, dim) float16, value_codes (groups * group, width), value_params
+ * (groups * group, 2, dim / value_group) float16. Returns 1 for arguments it does not take. */
+int kvsieve_quantize(int bits, int group, int dim, int value_group, int64_t groups, const float *keys,
+                     const float *values, const uint8_t *valid, uint8_t *key_codes, uint16_t *key_params,
+                     uint8_t *value_codes, uint16_t *value_params) {
+    if ((bits != 2 && bits != 4 && bits != 8) || dim < 1 || dim > KVSIEVE_MAX_DIM || group < 1 || group > 1024 ||
+        value_group < 1 || dim % value_group)
+        return 1;
+    const int levels = (1 << bits) - 1, width = (dim * bits + 7) / 8, value_groups = dim / value_group;
+    uint8_t *codes = malloc((size_t)group * (size_t)dim);
+    if (!codes) return 1;
+    for (int64_t g = 0; g < groups; ++g) {
+        const float *k = keys + g * group * dim;
+        const uint8_t *ok = valid + g * group;
+        for (int c = 0; c < dim; ++c) {
+            float low = INFINITY, high = -INFINITY;
+            for (int t = 0; t < group; ++t) {
+                if (!ok[t]) continue;
+                const float x = k[t * dim + c];
+                low = x < low ? x : low;
+                high = x > high ? x : high;
+            }
+            float step, low16;
+            code_values(k + c, dim, group, low, high, levels, codes + c, dim, &step, &low16);
+            for (int t = 0; t < group; ++t)
+                if (!ok[t]) codes[t * dim + c] = 0;
+            key_params[g * 2 * dim + c] = float_to_half(step);
+            key_params[g * 2 * dim + dim + c] = float_to_half(low16);
+        }
+        for (int t = 0; t < group; ++t) pack_row(codes + t * dim, dim, bits, key_codes + (g * group + t) * width);
+    }
+    for (int64_t r = 0; r < groups * group; ++r) {
+        const float *v = values + r * dim;
+        for (int vg = 0; vg < value_groups; ++vg) {
+            float low = INFINITY, high = -INFINITY;
+            for (int c = vg * value_group; c < (vg + 1) * value_group; ++c) {
+                low = v[c] < low ? v[c] : low;
+                high = v[c] > high ? v[c] : high;
+            }
+            float step, low16;
+            code_values(v + vg * value_group, 1, value_group, low, high, levels, codes + vg * value_group, 1, &step,
+                        &low16);
+            value_params[r * 2 * value_groups + vg] = float_to_half(step);
+            value_params[r * 2 * value_groups + value_groups + vg] = float_to_half(low16);
+        }
+        pack_row(codes, dim, bits, value_codes + r * width);
+    }
+    free(codes);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
  * Decoding attention over a tiered store without a dequantized view (kvsieve.native.tiered_attention).
  *
  * One decoding query per query head; a KV head's q_per_kv query heads are rows (b * heads + h) * q_per_kv + g. The
@@ -238,8 +330,6 @@ int kvsieve_dequantize(int bits, int group, int dim, int value_group, int64_t gr
 #define KVSIEVE_PARALLEL_FROM 4096
 
 #ifdef KVSIEVE_VECTOR
-#include <math.h>
-#include <stdlib.h>
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
