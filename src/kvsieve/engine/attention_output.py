@@ -126,10 +126,11 @@ def ragged_decoding_output(store: LayerStore, query: torch.Tensor, scaling: floa
 
 def tiered_decoding_output(module: torch.nn.Module, store: LayerStore, query: torch.Tensor, scaling: float,
                            compressed: bool, explicit: bool = False) -> torch.Tensor:
-    """A decoding query's output over a store with quantized tiers: every held entry in the tiers' unordered view
-    (:meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`, the tiers dequantized into it), released after the
-    call — the calls :func:`all_entries_output` makes for such a store at a decoding step (the engine's plain step,
-    which describes nothing, takes it; bit for bit the general step)."""
+    """A decoding query's output over a store with quantized tiers. On the CPU (``explicit`` False: no soft-capping or
+    sinks), :meth:`~kvsieve.cache.store_tiers.StoreTiers.decoding_output` reads the packed tiers in place; elsewhere
+    every held entry in the tiers' unordered view (:meth:`~kvsieve.cache.store_tiers.StoreTiers.attention_view`, the
+    tiers dequantized into it), released after the call — the calls :func:`held_output` makes for such a store at a
+    decoding step (the engine's plain step, which describes nothing, takes it; bit for bit the general step)."""
     if not explicit:  # on the CPU: the packed tiers read in place, no dequantized view
         output = store.decoding_output(query, scaling)
         if output is not None:

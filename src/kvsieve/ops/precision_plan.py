@@ -46,9 +46,9 @@ def group_aware_plan(
         group: ``G``, entries per group.
         quantized: whether any tier holds entries (the caller knows from its bookkeeping). False (every
             ``origin`` is 0, as at a first compaction): step 2 has no existing group, its new groups are formed in
-            score order and so are chosen in that order, and the plan is the ranks of one sort cut at
-            ``full``, ``full + G·groups[0]``, … — the same plan as the general path (one sort instead of one per
-            tier plus its group sums).
+            score order and so are chosen in that order, and the plan is the score order cut at ``full``,
+            ``full + G·groups[0]``, … — the same plan as the general path, from one ``topk`` (no sort, no group
+            sums: :func:`_first_plan`).
 
     Returns ``keep`` ``(S, L)`` bool and ``target`` ``(S, L)`` long: for kept model-dtype entries the tier they
     go to (0: stay), for kept quantized entries their own tier.
