@@ -67,6 +67,20 @@ def load(name: str) -> ctypes.CDLL | None:
     return library
 
 
+@functools.cache
+def function(name: str, symbol: str, argtypes: tuple[type, ...], restype: type = ctypes.c_int
+             ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``symbol`` of the library :func:`load` builds from ``<name>.c``, with its argument and result types set; None
+    where the library is not built. Cached: each helper's wrapper binds its C function here once."""
+    library = load(name)
+    if library is None:
+        return None
+    bound = getattr(library, symbol)
+    bound.argtypes = list(argtypes)
+    bound.restype = restype
+    return bound
+
+
 def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:

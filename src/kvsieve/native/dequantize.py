@@ -25,23 +25,14 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Widest head the C pass takes (its row buffers).
 MAX_DIM = 1024
 
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_loaded = False
+_I32, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+#: The argument types of ``kvsieve_dequantize`` (``tiers.c``).
+ARGUMENTS = (_I32, _I32, _I32, _I32, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I64, _I64,
+             _I64)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _function, _loaded
-    if not _loaded:
-        library = build.load("tiers")
-        if library is not None:
-            function = library.kvsieve_dequantize
-            i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-            function.argtypes = [i32, i32, i32, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i32,
-                                 i64, i64, i64]
-            function.restype = i32
-            _function = function
-        _loaded = True
-    return _function
+    return build.function("tiers", "kvsieve_dequantize", ARGUMENTS)
 
 
 def available() -> bool:

@@ -16,22 +16,13 @@ import torch
 
 from kvsieve.native import build
 
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_loaded = False
+_I32, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+#: The argument types of ``kvsieve_quantize`` (``tiers.c``).
+ARGUMENTS = (_I32, _I32, _I32, _I32, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _function, _loaded
-    if not _loaded:
-        library = build.load("tiers")
-        if library is not None:
-            i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-            function = library.kvsieve_quantize
-            function.argtypes = [i32, i32, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-            function.restype = i32
-            _function = function
-        _loaded = True
-    return _function
+    return build.function("tiers", "kvsieve_quantize", ARGUMENTS)
 
 
 def quantize_groups(bits: int, group: int, value_group: int, keys: torch.Tensor, values: torch.Tensor,

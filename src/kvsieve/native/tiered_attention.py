@@ -22,9 +22,6 @@ import torch
 from kvsieve.native import build
 from kvsieve.native.dequantize import OUT_KINDS
 
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_loaded = False
-
 
 @dataclass(frozen=True)
 class PackedTier:
@@ -71,19 +68,14 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+_I32, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+#: The argument types of ``kvsieve_attend_tiered`` (``tiers.c``).
+ARGUMENTS = (_I32, _I32, _I32, _I32, _PTR, _I32, _I64, _I64, _PTR, _F32, _PTR, _PTR, _I32, _I64, _I64, _I64, _I64,
+             _PTR, _I32, _PTR)
+
+
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _function, _loaded
-    if not _loaded:
-        library = build.load("tiers")
-        if library is not None:
-            i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-            function = library.kvsieve_attend_tiered
-            function.argtypes = [i32, i32, i32, i32, ptr, i32, i64, i64, ptr, f32, ptr, ptr, i32, i64, i64, i64, i64,
-                                 ptr, i32, ptr]
-            function.restype = i32
-            _function = function
-        _loaded = True
-    return _function
+    return build.function("tiers", "kvsieve_attend_tiered", ARGUMENTS)
 
 
 def attend(query: torch.Tensor, scaling: float, keys: torch.Tensor, values: torch.Tensor,

@@ -87,6 +87,26 @@ static inline void unpack_row(const uint8_t *packed, int width, int bits, const 
         for (int b = 0; b < width; ++b) codes[b] = (float)packed[b];
 }
 
+/* A group's key steps and minimums (params: 2 x dim float16) as floats. */
+static inline void key_floats(const uint16_t *params, int dim, float *step, float *minimum) {
+    for (int c = 0; c < dim; ++c) {
+        step[c] = half_to_float(params[c]);
+        minimum[c] = half_to_float(params[dim + c]);
+    }
+}
+
+/* Group i of the gathered order: its index in the tier (returned), its segment's offset in the view (base, in
+ * elements) and its first slot there, and its key steps and minimums. */
+static inline int64_t group_at(const Job *job, int64_t i, int64_t *base, int64_t *first_slot, float *step,
+                               float *minimum) {
+    const int64_t g = job->index ? job->index[i] : i;
+    const int64_t segment = i / job->most;
+    *first_slot = (i % job->most) * job->group;
+    *base = (segment / job->heads) * job->stride_batch + (segment % job->heads) * job->stride_head;
+    key_floats(job->key_params + g * 2 * job->dim, job->dim, step, minimum);
+    return g;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVSIEVE_VECTOR 1
@@ -134,14 +154,8 @@ static void run_vector(const Job *job) {
     const int64_t esize = out_kind == OUT_FLOAT32 ? 4 : 2;
     float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM];
     for (int64_t i = job->begin; i < job->end; ++i) {
-        const int64_t g = job->index ? job->index[i] : i;
-        const int64_t segment = i / job->most, first_slot = (i % job->most) * group;
-        const int64_t base = (segment / job->heads) * job->stride_batch + (segment % job->heads) * job->stride_head;
-        const uint16_t *key_params = job->key_params + g * 2 * dim;
-        for (int c = 0; c < dim; ++c) {
-            step[c] = half_to_float(key_params[c]);
-            minimum[c] = half_to_float(key_params[dim + c]);
-        }
+        int64_t base, first_slot;
+        const int64_t g = group_at(job, i, &base, &first_slot, step, minimum);
         for (int t = 0; t < group; ++t) {
             const int64_t slot = g * group + t;
             const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
@@ -170,14 +184,8 @@ static void run(const Job *job) {
     const int64_t esize = job->out_kind == OUT_FLOAT32 ? 4 : 2;
     float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM], row[KVSIEVE_MAX_DIM], codes[KVSIEVE_MAX_DIM + 8];
     for (int64_t i = job->begin; i < job->end; ++i) {
-        const int64_t g = job->index ? job->index[i] : i;
-        const int64_t segment = i / job->most, first_slot = (i % job->most) * group;
-        const int64_t base = (segment / job->heads) * job->stride_batch + (segment % job->heads) * job->stride_head;
-        const uint16_t *key_params = job->key_params + g * 2 * dim;
-        for (int c = 0; c < dim; ++c) {
-            step[c] = half_to_float(key_params[c]);
-            minimum[c] = half_to_float(key_params[dim + c]);
-        }
+        int64_t base, first_slot;
+        const int64_t g = group_at(job, i, &base, &first_slot, step, minimum);
         for (int t = 0; t < group; ++t) {
             const int64_t slot = g * group + t;
             const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
@@ -561,11 +569,7 @@ static int attend_tier_segment(int64_t s, int bits, int group, int dim, int valu
     int64_t n = 0;
     for (int64_t j = 0; j < most; ++j) {
         const int64_t gi = index ? index[s * most + j] : s * most + j;
-        const uint16_t *params = key_params + gi * 2 * dim;
-        for (int c = 0; c < dim; ++c) {
-            step[c] = half_to_float(params[c]);
-            minimum[c] = half_to_float(params[dim + c]);
-        }
+        key_floats(key_params + gi * 2 * dim, dim, step, minimum);
         const uint16_t *vparams = value_params + gi * group * 2 * value_groups;
         for (int64_t k = 0; k < (int64_t)group * 2 * value_groups; ++k)
             value_floats[j * group * 2 * value_groups + k] = half_to_float(vparams[k]);
