@@ -147,58 +147,62 @@ static inline void store8(__m256 x, char *dst, int out_kind) {
     }
 }
 
-/* run()'s loop, eight channels at a time (dim and value_group multiples of 8). */
-static void run_vector(const Job *job) {
-    const int dim = job->dim, group = job->group, bits = job->bits, width = (dim * bits + 7) / 8;
-    const int value_groups = dim / job->value_group, value_group = job->value_group, out_kind = job->out_kind;
+/* One slot's key and value rows, eight channels at a time (dim and value_group multiples of 8). */
+static inline void slot_vector(const Job *job, int64_t slot, int64_t offset, const float *step, const float *minimum) {
+    const int dim = job->dim, bits = job->bits, width = (dim * bits + 7) / 8, out_kind = job->out_kind;
+    const int value_groups = dim / job->value_group, value_group = job->value_group;
     const int64_t esize = out_kind == OUT_FLOAT32 ? 4 : 2;
-    float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM];
-    for (int64_t i = job->begin; i < job->end; ++i) {
-        int64_t base, first_slot;
-        const int64_t g = group_at(job, i, &base, &first_slot, step, minimum);
-        for (int t = 0; t < group; ++t) {
-            const int64_t slot = g * group + t;
-            const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
-            const uint8_t *key_codes = job->key_codes + slot * width, *value_codes = job->value_codes + slot * width;
-            char *keys = job->out_keys + offset, *values = job->out_values + offset;
-            for (int c = 0; c < dim; c += 8) {
-                const __m256 x = _mm256_fmadd_ps(codes8(key_codes, c, bits), _mm256_loadu_ps(step + c),
-                                                 _mm256_loadu_ps(minimum + c));
-                store8(x, keys + c * esize, out_kind);
-            }
-            const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
-            for (int v = 0; v < value_groups; ++v) {
-                const __m256 s = _mm256_set1_ps(half_to_float(value_params[v]));
-                const __m256 m = _mm256_set1_ps(half_to_float(value_params[value_groups + v]));
-                for (int c = v * value_group; c < (v + 1) * value_group; c += 8)
-                    store8(_mm256_fmadd_ps(codes8(value_codes, c, bits), s, m), values + c * esize, out_kind);
-            }
-        }
+    const uint8_t *key_codes = job->key_codes + slot * width, *value_codes = job->value_codes + slot * width;
+    char *keys = job->out_keys + offset * esize, *values = job->out_values + offset * esize;
+    for (int c = 0; c < dim; c += 8) {
+        const __m256 x = _mm256_fmadd_ps(codes8(key_codes, c, bits), _mm256_loadu_ps(step + c),
+                                         _mm256_loadu_ps(minimum + c));
+        store8(x, keys + c * esize, out_kind);
+    }
+    const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
+    for (int v = 0; v < value_groups; ++v) {
+        const __m256 sc = _mm256_set1_ps(half_to_float(value_params[v]));
+        const __m256 mn = _mm256_set1_ps(half_to_float(value_params[value_groups + v]));
+        for (int c = v * value_group; c < (v + 1) * value_group; c += 8)
+            store8(_mm256_fmadd_ps(codes8(value_codes, c, bits), sc, mn), values + c * esize, out_kind);
     }
 }
 #endif
 
-static void run(const Job *job) {
-    const int dim = job->dim, group = job->group, width = (dim * job->bits + 7) / 8;
-    const int value_groups = dim / job->value_group;
+/* One slot's key and value rows, channel by channel (any dim and value_group). */
+static inline void slot_scalar(const Job *job, int64_t slot, int64_t offset, const float *step,
+                               const float *minimum) {
+    const int dim = job->dim, width = (dim * job->bits + 7) / 8, value_groups = dim / job->value_group;
     const int64_t esize = job->out_kind == OUT_FLOAT32 ? 4 : 2;
-    float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM], row[KVSIEVE_MAX_DIM], codes[KVSIEVE_MAX_DIM + 8];
+    float row[KVSIEVE_MAX_DIM], codes[KVSIEVE_MAX_DIM + 8];
+    unpack_row(job->key_codes + slot * width, width, job->bits, job->table, codes);
+    for (int c = 0; c < dim; ++c) row[c] = minimum[c] + codes[c] * step[c];
+    store_row(row, dim, job->out_keys + offset * esize, job->out_kind);
+    unpack_row(job->value_codes + slot * width, width, job->bits, job->table, codes);
+    const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
+    for (int v = 0; v < value_groups; ++v) {
+        const float sc = half_to_float(value_params[v]), mn = half_to_float(value_params[value_groups + v]);
+        for (int c = v * job->value_group; c < (v + 1) * job->value_group; ++c) row[c] = mn + codes[c] * sc;
+    }
+    store_row(row, dim, job->out_values + offset * esize, job->out_kind);
+}
+
+/* Every group of the job, slot by slot: the vector rows where they apply (vector), else the plain ones. */
+static void run(const Job *job, int vector) {
+    float step[KVSIEVE_MAX_DIM], minimum[KVSIEVE_MAX_DIM];
     for (int64_t i = job->begin; i < job->end; ++i) {
         int64_t base, first_slot;
         const int64_t g = group_at(job, i, &base, &first_slot, step, minimum);
-        for (int t = 0; t < group; ++t) {
-            const int64_t slot = g * group + t;
-            const int64_t offset = (base + (first_slot + t) * job->stride_slot) * esize;
-            unpack_row(job->key_codes + slot * width, width, job->bits, job->table, codes);
-            for (int c = 0; c < dim; ++c) row[c] = minimum[c] + codes[c] * step[c];
-            store_row(row, dim, job->out_keys + offset, job->out_kind);
-            unpack_row(job->value_codes + slot * width, width, job->bits, job->table, codes);
-            const uint16_t *value_params = job->value_params + slot * 2 * value_groups;
-            for (int v = 0; v < value_groups; ++v) {
-                const float s = half_to_float(value_params[v]), m = half_to_float(value_params[value_groups + v]);
-                for (int c = v * job->value_group; c < (v + 1) * job->value_group; ++c) row[c] = m + codes[c] * s;
+        for (int t = 0; t < job->group; ++t) {
+            const int64_t slot = g * job->group + t, offset = base + (first_slot + t) * job->stride_slot;
+#ifdef KVSIEVE_VECTOR
+            if (vector) {
+                slot_vector(job, slot, offset, step, minimum);
+                continue;
             }
-            store_row(row, dim, job->out_values + offset, job->out_kind);
+#endif
+            (void)vector;
+            slot_scalar(job, slot, offset, step, minimum);
         }
     }
 }
@@ -221,13 +225,11 @@ int kvsieve_dequantize(int bits, int group, int dim, int value_group, int64_t gr
     Job job = {bits, group, dim, value_group, heads, out_kind, most, 0, groups, index, key_codes, value_codes,
                key_params, value_params, (char *)out_keys, (char *)out_values, stride_batch, stride_head,
                stride_slot, table};
+    int vector = 0;
 #ifdef KVSIEVE_VECTOR
-    if (dim % 8 == 0 && value_group % 8 == 0) {
-        run_vector(&job);
-        return 0;
-    }
+    vector = dim % 8 == 0 && value_group % 8 == 0;
 #endif
-    run(&job);
+    run(&job, vector);
     return 0;
 }
 
