@@ -1,4 +1,4 @@
-"""A decoding query's attention over a tiered store read in place, on the CPU (``tiers.c``: ``kvsieve_attend_*``).
+"""A decoding query's attention over a tiered store read in place, on the CPU (``tiers.c``: ``kvsieve_attend_tiered``).
 
 The PyTorch path of a mixed-precision decoding step dequantizes every tier into a view that also holds a copy of
 the full-precision entries, then runs SDPA over it: per layer and step it writes and reads back every held entry
@@ -42,6 +42,8 @@ class PackedTier:
     valid: torch.Tensor | None
     slots: int
     descriptor: torch.Tensor = field(init=False, repr=False)
+    #: Whether ``tiers.c`` can read this tier (on the CPU, contiguous, in the dtypes it reads).
+    readable: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         index = None if self.index is None else self.index.contiguous()
@@ -57,11 +59,7 @@ class PackedTier:
                   self.key_codes.data_ptr(), self.key_params.data_ptr(), self.value_codes.data_ptr(),
                   self.value_params.data_ptr(), _address(valid)] if readable else [0] * 10
         object.__setattr__(self, "descriptor", torch.tensor(fields, dtype=torch.int64))
-
-    @property
-    def readable(self) -> bool:
-        """Whether ``tiers.c`` can read this tier (on the CPU, contiguous, in the dtypes it reads)."""
-        return bool(self.descriptor[0])
+        object.__setattr__(self, "readable", readable)
 
 
 def _address(t: torch.Tensor | None) -> int:
