@@ -182,3 +182,12 @@ def fresh_model():
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def pytorch_ragged_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ragged decoding steps take their PyTorch routes (length groups, strided runs, the padded view), as on a GPU or
+    without a C compiler, instead of the CPU's pass over each segment's rows (``kvsieve.native.segment_attention``)."""
+    from kvsieve.native import segment_attention
+
+    monkeypatch.setattr(segment_attention, "attend", lambda *args, **kwargs: None)

@@ -96,9 +96,9 @@ def test_masked_packing_is_transformers_masked_call_bit_for_bit(dtype):
     assert not torch.equal(out, dense)  # the mask took effect
 
 
-def test_ragged_decoding_is_packed_and_unchanged(model, monkeypatch):
-    """adakv (ragged heads after its compaction) decodes through the masked packed call, and gives the logits the
-    masked transformers call gives (bfloat16, within its rounding)."""
+def test_ragged_decoding_is_packed_and_unchanged(model, monkeypatch, pytorch_ragged_decoding):
+    """adakv (ragged heads after its compaction) decodes through the masked packed call (its PyTorch route), and gives
+    the logits the masked transformers call gives (bfloat16, within its rounding)."""
     ids = prompt(2, 48, seed=6)
     calls = []
     original = attention_output.packed_decoding_output

@@ -395,10 +395,17 @@ def test_a_policy_that_observes_or_compacts_while_decoding_takes_the_general_ste
 
 @pytest.mark.parametrize("layout", ["padded", "compact", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_model, layout, dtype, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_ragged_plain_decoding_equals_the_general_step_in_every_layout(fresh_model, layout, dtype, native,
+                                                                       monkeypatch):
     """adakv's ragged heads laid out padded, compact (one dense view per step) or in strided runs (forced): the plain
-    decoding step gives the general step's logits bit for bit."""
+    decoding step gives the general step's logits bit for bit, through the CPU's C pass over each segment's rows or
+    (``native`` False) the PyTorch routes."""
     from kvsieve.cache.store_compaction import StoreCompaction
+    from kvsieve.native import segment_attention
+
+    if not native:
+        monkeypatch.setattr(segment_attention, "attend", lambda *args, **kwargs: None)
 
     def two_runs(self, counts):
         if counts.numel() < 2 or int(counts.min()) == int(counts.max()):

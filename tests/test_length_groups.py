@@ -19,7 +19,11 @@ from kvsieve.core.step import LayerStep
 from kvsieve.engine.attention_output import all_entries_output
 from kvsieve.engine.grouped_decode import grouped_decode_output
 from kvsieve.models.architectures import ArchitectureSpec, ModelInfo
+from kvsieve.native import segment_attention
 from kvsieve.transformers_adapter import cache_kwargs
+
+#: These tests check the PyTorch routes of ragged decoding (a GPU's, or a CPU's without the C pass).
+pytestmark = pytest.mark.usefixtures("pytorch_ragged_decoding")
 
 
 def test_a_long_head_among_short_ones_is_its_own_group():
@@ -136,6 +140,11 @@ def test_grouped_attention_equals_the_padded_view(monkeypatch, batch, kv_heads, 
     padded = all_entries_output(step, step.module, None, None, step.view)  # the padded view, explicitly
     torch.testing.assert_close(grouped, padded, atol=1e-6, rtol=1e-5)
     assert torch.equal(all_entries_output(step, step.module, None, None), grouped)  # the engine's choice
+    monkeypatch.undo()  # on the CPU with the C pass built, the engine reads each segment's rows in one call instead
+    if segment_attention._kernel() is not None:
+        native = all_entries_output(step, step.module, None, None)
+        assert not torch.equal(native, grouped)  # the pass, not a PyTorch route
+        torch.testing.assert_close(native, padded, atol=1e-6, rtol=1e-5)
 
 
 def test_strided_runs_views_follow_the_buffers_when_they_grow():

@@ -215,6 +215,13 @@ class StoreLayout:
     def _length(self, value: torch.Tensor) -> None:
         self._held, self._decoded = value, 0
 
+    def segment_rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A ragged layout's first row and held entries per segment (host ``long`` tensors, the lengths as last
+        brought up to date) and the decoding appends since (each added one entry to every segment): where each
+        segment's entries lie, read with no tensor operation (:mod:`kvsieve.native.segment_attention`)."""
+        assert self._uniform is None, "a uniform layout has no per-segment rows"
+        return self._start, self._held, self._decoded
+
     @property
     def capacity(self) -> torch.Tensor:
         if self._uniform is not None:

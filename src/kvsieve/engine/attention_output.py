@@ -4,8 +4,9 @@
   transformers), or the model's eager form when SDPA cannot express it (soft-capping, sinks).
 * Otherwise, over the held entries with visibility from stored positions and the merge-count bias:
   EMS's centres expanded to the positions they stand for, a selector's subset at decoding (row by row,
-  :mod:`kvsieve.engine.row_groups`), or every held entry (at decoding, heads of very different lengths
-  by length group, :mod:`kvsieve.engine.grouped_decode`).
+  :mod:`kvsieve.engine.row_groups`), or every held entry (at decoding, ragged heads on the CPU in one pass
+  over each head's rows, :mod:`kvsieve.native.segment_attention`; elsewhere heads of very different lengths by
+  length group, :mod:`kvsieve.engine.grouped_decode`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvsieve.core.step import LayerStep
 from kvsieve.engine.grouped_decode import grouped_decode_output
 from kvsieve.engine.layer_call import LayerCall
 from kvsieve.engine.row_groups import select_by_row
+from kvsieve.native import segment_attention
 from kvsieve.policies.policy import Policy
 from kvsieve.transformers_adapter import sdpa_attention
 
@@ -111,10 +113,17 @@ def all_entries_output(
 
 
 def ragged_decoding_output(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-    """A decoding query's output over a ragged layout read in place: by length group (strided runs included) or, for
-    a padded layout, over its buffers with the additive validity mask it keeps (no dense view, and no boolean mask
-    for SDPA to convert at every call; what :func:`all_entries_output`'s packed masked call computes from the dense
-    view). None for a uniform or compact layout (and a padded one in another dtype or with tiers)."""
+    """A decoding query's output over a ragged layout read in place. On the CPU (the C helper built) every segment's
+    rows in one call, whatever the layout (:mod:`kvsieve.native.segment_attention`: within float32 rounding of SDPA);
+    elsewhere by length group (strided runs included) or, for a padded layout, over its buffers with the additive
+    validity mask it keeps (no dense view, and no boolean mask for SDPA to convert at every call; what
+    :func:`all_entries_output`'s packed masked call computes from the dense view). None for a uniform layout, a store
+    with tiers, and off the CPU a compact layout (or a padded one in another dtype)."""
+    if not store.is_uniform and not store.tiers:  # on the CPU: each segment's rows where they lie, in one call
+        start, held, decoded = store.segment_rows()
+        output = segment_attention.attend(query, scaling, store.keys, store.values, start, held, decoded)
+        if output is not None:
+            return output
     groups = store.length_groups()  # ragged heads of very different lengths: group by length
     if groups is not None:
         return grouped_decode_output(store, query, scaling, groups)

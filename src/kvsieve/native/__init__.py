@@ -5,7 +5,9 @@ the CPU, ``KVSIEVE_NATIVE=0``).
 - :mod:`kvsieve.native.dequantize`: a precision tier's KIVI dequantization into the attention view (bit for bit);
 - :mod:`kvsieve.native.tiered_attention`: a decoding query's attention over packed tiers and full-precision entries
   read in place (float32 softmax over exactly the dequantized entries; SDPA's output within rounding);
-- :mod:`kvsieve.native.quantize`: a tier's new groups quantized and packed (bit for bit).
+- :mod:`kvsieve.native.quantize`: a tier's new groups quantized and packed (bit for bit);
+- :mod:`kvsieve.native.segment_attention`: a decoding query's attention over a ragged layer (heads holding different
+  numbers of entries) read in place, every head in one call (SDPA's output within float32 rounding).
 
-All three are in ``tiers.c``.
+All four are in ``tiers.c``.
 """

@@ -516,12 +516,12 @@ static void weigh(int rows, int dim, int value_group, int value_groups, const Ro
     fold(rows, dim, seg_max, seg_sum, seg_acc, m, l, acc);
 }
 
-/* The full-precision part of one segment (batch item, KV head), folded into its rows' state m, l, acc. */
-static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const float *q, float scaling,
-                                const char *keys, const char *values, int kind, int64_t stride_batch,
-                                int64_t stride_head, int64_t stride_entry, int64_t length, const uint8_t *valid,
-                                float *m, float *l, float *acc) {
-    const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2, stride = (length + 7) / 8 * 8;
+/* n consecutive full-precision entries (rows key_base, value_base + e * row_bytes; ok: their validity or NULL), folded
+ * into the state m, l, acc of the query rows q. */
+static int attend_dense_rows(int rows, int dim, const float *q, float scaling, const char *key_base,
+                             const char *value_base, int kind, int64_t row_bytes, int64_t length, const uint8_t *ok,
+                             float *m, float *l, float *acc) {
+    const int64_t stride = (length + 7) / 8 * 8;
     float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
     int64_t *entry = malloc(sizeof(int64_t) * (size_t)length);
     if (!logits || !entry) {
@@ -529,14 +529,12 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
         free(entry);
         return 1;
     }
-    const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
-    const uint8_t *ok = valid ? valid + s * length : NULL;
     int64_t n = 0;
     for (int64_t e = 0; e < length; ++e)
         if (!ok || ok[e]) entry[n++] = e;
     for (int64_t e = 0; e < rows * stride; ++e) logits[e] = -INFINITY;
-    const Rows key_rows = {keys + base, stride_entry * esize, kind, 0};
-    const Rows value_rows = {values + base, stride_entry * esize, kind, 0};
+    const Rows key_rows = {key_base, row_bytes, kind, 0};
+    const Rows value_rows = {value_base, row_bytes, kind, 0};
 #define KVSIEVE_LOGITS(R) logits_rows(R, dim, q, &key_rows, entry, entry, n, NULL, NULL, logits, stride, scaling)
     KVSIEVE_BY_ROWS(KVSIEVE_LOGITS)
 #undef KVSIEVE_LOGITS
@@ -544,6 +542,17 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
     free(logits);
     free(entry);
     return 0;
+}
+
+/* The full-precision part of one segment (batch item, KV head), folded into its rows' state m, l, acc. */
+static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const float *q, float scaling,
+                                const char *keys, const char *values, int kind, int64_t stride_batch,
+                                int64_t stride_head, int64_t stride_entry, int64_t length, const uint8_t *valid,
+                                float *m, float *l, float *acc) {
+    const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2;
+    const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
+    return attend_dense_rows(rows, dim, q, scaling, keys + base, values + base, kind, stride_entry * esize, length,
+                             valid ? valid + s * length : NULL, m, l, acc);
 }
 
 /* One tier's part of one segment, folded into its rows' state m, l, acc. */
@@ -609,14 +618,10 @@ static int tier_ok(const int64_t *t, int dim) {
            && t[T_GROUP] >= 1 && t[T_MOST] >= 1;
 }
 
-/* One segment: its query rows as floats, the full-precision part, every tier, then out = acc / l rounded. */
-static int attend_segment(int64_t s, int heads, int rows, int dim, const char *query, int query_kind,
-                          int64_t query_batch, int64_t query_head, char *out, float scaling, const char *keys,
-                          const char *values, int kind, int64_t stride_batch, int64_t stride_head,
-                          int64_t stride_entry, int64_t length, const uint8_t *valid, int tiers,
-                          const int64_t *descriptors) {
-    float q[KVSIEVE_MAX_ROWS * 256], m[KVSIEVE_MAX_ROWS], l[KVSIEVE_MAX_ROWS], acc[KVSIEVE_MAX_ROWS * 256];
-    const int64_t qsize = query_kind == OUT_FLOAT32 ? 4 : 2, osize = qsize;
+/* Segment s's query rows as floats (q: rows x dim), and an empty softmax state m, l, acc for them. */
+static void start_rows(int64_t s, int heads, int rows, int dim, const char *query, int query_kind, int64_t query_batch,
+                       int64_t query_head, float *q, float *m, float *l, float *acc) {
+    const int64_t qsize = query_kind == OUT_FLOAT32 ? 4 : 2;
     for (int g = 0; g < rows; ++g) {
         const char *row = query + ((s / heads) * query_batch + ((s % heads) * rows + g) * query_head) * qsize;
         for (int c = 0; c < dim; c += 8) _mm256_storeu_ps(q + g * dim + c, load8(row + c * qsize, query_kind));
@@ -624,6 +629,27 @@ static int attend_segment(int64_t s, int heads, int rows, int dim, const char *q
         l[g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)(rows * dim));
+}
+
+/* Segment s's output rows out[s * rows + g] = acc / l, rounded to out_kind. */
+static void finish_rows(int64_t s, int rows, int dim, const float *l, const float *acc, char *out, int out_kind) {
+    const int64_t osize = out_kind == OUT_FLOAT32 ? 4 : 2;
+    for (int g = 0; g < rows; ++g) {
+        const __m256 inverse = _mm256_set1_ps(1.0f / l[g]);
+        char *row = out + ((s * rows + g) * (int64_t)dim) * osize;
+        for (int c = 0; c < dim; c += 8)
+            store8(_mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + c), inverse), row + c * osize, out_kind);
+    }
+}
+
+/* One segment: its query rows as floats, the full-precision part, every tier, then out = acc / l rounded. */
+static int attend_segment(int64_t s, int heads, int rows, int dim, const char *query, int query_kind,
+                          int64_t query_batch, int64_t query_head, char *out, float scaling, const char *keys,
+                          const char *values, int kind, int64_t stride_batch, int64_t stride_head,
+                          int64_t stride_entry, int64_t length, const uint8_t *valid, int tiers,
+                          const int64_t *descriptors) {
+    float q[KVSIEVE_MAX_ROWS * 256], m[KVSIEVE_MAX_ROWS], l[KVSIEVE_MAX_ROWS], acc[KVSIEVE_MAX_ROWS * 256];
+    start_rows(s, heads, rows, dim, query, query_kind, query_batch, query_head, q, m, l, acc);
     int failed = 0;
     if (length > 0)
         failed |= attend_dense_segment(s, heads, rows, dim, q, scaling, keys, values, kind, stride_batch, stride_head,
@@ -637,12 +663,7 @@ static int attend_segment(int64_t s, int heads, int rows, int dim, const char *q
                                       (const uint16_t *)(intptr_t)d[T_VALUE_PARAMS],
                                       (const uint8_t *)(intptr_t)d[T_VALID], rows, q, scaling, m, l, acc);
     }
-    for (int g = 0; g < rows; ++g) {
-        const __m256 inverse = _mm256_set1_ps(1.0f / l[g]);
-        char *row = out + ((s * rows + g) * (int64_t)dim) * osize;
-        for (int c = 0; c < dim; c += 8)
-            store8(_mm256_mul_ps(_mm256_loadu_ps(acc + g * dim + c), inverse), row + c * osize, query_kind);
-    }
+    finish_rows(s, rows, dim, l, acc, out, query_kind);
     return failed;
 }
 #endif
@@ -679,6 +700,81 @@ int kvsieve_attend_tiered(int batch, int heads, int rows, int dim, const void *q
     (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
     (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)stride_batch;
     (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)tiers; (void)descriptors;
+    return 1;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decoding attention over a ragged layout read in place (kvsieve.native.segment_attention): segment s (batch item
+ * s / heads, KV head s % heads) holds length[s] + extra entries at rows start[s] ... of the buffers keys / values
+ * (total rows x dim, contiguous), every one valid (a layer store's layout: kvsieve.cache.store_layout). Any mix of
+ * lengths is one call: each segment is cut into units of at most `chunk` entries, the units are shared among torch's
+ * OpenMP threads (a long head beside short ones keeps every thread busy), each unit's softmax state is computed as
+ * kvsieve_attend_tiered computes a part's, and a segment's units are folded in order. out (segments * rows, dim) in
+ * the query's dtype, query rows as in kvsieve_attend_tiered. Returns 0, or 1 for arguments it does not take (an
+ * empty segment among them).
+ * ------------------------------------------------------------------------------------------------------------- */
+int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void *query, int query_kind,
+                            int64_t query_batch, int64_t query_head, void *out, float scaling, const void *keys,
+                            const void *values, int kind, const int64_t *start, const int64_t *length, int64_t extra,
+                            int64_t chunk, int64_t parallel_from) {
+#ifdef KVSIEVE_VECTOR
+    if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || query_kind < 0 ||
+        query_kind > 2 || batch < 1 || heads < 1 || chunk < 1 || extra < 0)
+        return 1;
+    const int64_t segments = (int64_t)batch * heads, state = (int64_t)rows * (dim + 2);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(segments + 1)); /* segment s's units: first[s] ... */
+    if (!first) return 1;
+    int64_t units = 0, entries = 0;
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t n = length[s] + extra;
+        if (n <= 0) {
+            free(first);
+            return 1;
+        }
+        first[s] = units;
+        units += (n + chunk - 1) / chunk;
+        entries += n;
+    }
+    first[segments] = units;
+    int64_t *owner = malloc(sizeof(int64_t) * (size_t)units);
+    float *states = malloc(sizeof(float) * (size_t)(units * state)); /* per unit: m (rows), l (rows), acc */
+    if (!owner || !states) {
+        free(first);
+        free(owner);
+        free(states);
+        return 1;
+    }
+    for (int64_t s = 0; s < segments; ++s)
+        for (int64_t u = first[s]; u < first[s + 1]; ++u) owner[u] = s;
+    const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2, row_bytes = (int64_t)dim * esize;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed) if (units > 1 && entries >= parallel_from)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t s = owner[u], begin = (u - first[s]) * chunk, n = length[s] + extra;
+        const int64_t count = n - begin < chunk ? n - begin : chunk, row = start[s] + begin;
+        float q[KVSIEVE_MAX_ROWS * 256];
+        float *m = states + u * state, *l = m + rows, *acc = l + rows;
+        start_rows(s, heads, rows, dim, (const char *)query, query_kind, query_batch, query_head, q, m, l, acc);
+        failed |= attend_dense_rows(rows, dim, q, scaling, (const char *)keys + row * row_bytes,
+                                    (const char *)values + row * row_bytes, kind, row_bytes, count, NULL, m, l, acc);
+    }
+    for (int64_t s = 0; s < segments && !failed; ++s) {
+        float *m = states + first[s] * state, *l = m + rows, *acc = l + rows;
+        for (int64_t u = first[s] + 1; u < first[s + 1]; ++u) {
+            const float *um = states + u * state;
+            fold(rows, dim, um, um + rows, um + 2 * rows, m, l, acc);
+        }
+        finish_rows(s, rows, dim, l, acc, (char *)out, query_kind);
+    }
+    free(first);
+    free(owner);
+    free(states);
+    return failed;
+#else
+    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
+    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)start; (void)length;
+    (void)extra; (void)chunk; (void)parallel_from;
     return 1;
 #endif
 }
