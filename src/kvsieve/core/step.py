@@ -27,6 +27,7 @@ from kvsieve.attention.kernel import (
 )
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.native import decoding_rows
 
 #: Statistic names a scorer may declare in ``Scorer.needs``.
 WINDOW_ROWS = "window_rows"  #: softmax rows of the last ``w`` queries
@@ -318,8 +319,19 @@ class LayerStep:
         """A decoding query's attention output ``(batch, 1, q_heads, d)`` from its float32 softmax row over the
         dense view (:meth:`window_rows` of one query, memoised: the row H2O and EMS accumulate, TOVA scores),
         ``P·V`` in float32, rounded to the query's dtype. Padding slots have zero probability; their values are
-        zeroed too (a free row may hold anything)."""
+        zeroed too (a free row may hold anything). On the CPU (no padding query, no sliding window, no soft-capping
+        or sinks) both come from one C pass over the entries in their dtype (:mod:`kvsieve.native.decoding_rows`:
+        no float32 copies of the keys and values; within float32 rounding), and the row is memoised for the
+        scorer."""
         assert self.q_len == 1
+        if ("rows", 1) not in self._memo and self.query_valid is None and self.sliding_window is None \
+                and (self.form is None or not self.form.explicit):
+            # on the CPU: the output and the rows in one pass over the entries in their dtype (no float32 copies)
+            view = self.view
+            fused = decoding_rows.attend(self.query, self.scaling, view.keys, view.values, view.valid, self.bias())
+            if fused is not None:
+                output, self._memo[("rows", 1)] = fused
+                return output
         row = self.window_rows_unchecked(1)[:, :, 0]
         values = self.view.values
         if self.view.valid is not None:

@@ -7,7 +7,9 @@ the CPU, ``KVSIEVE_NATIVE=0``).
   read in place (float32 softmax over exactly the dequantized entries; SDPA's output within rounding);
 - :mod:`kvsieve.native.quantize`: a tier's new groups quantized and packed (bit for bit);
 - :mod:`kvsieve.native.segment_attention`: a decoding query's attention over a ragged layer (heads holding different
-  numbers of entries) read in place, every head in one call (SDPA's output within float32 rounding).
+  numbers of entries) read in place, every head in one call (SDPA's output within float32 rounding);
+- :mod:`kvsieve.native.decoding_rows`: a decoding query's output and float32 softmax rows in one pass (what a layer
+  compacting at every decoding step reads).
 
-All four are in ``tiers.c``.
+All five are in ``tiers.c``.
 """

@@ -520,7 +520,7 @@ static void weigh(int rows, int dim, int value_group, int value_groups, const Ro
  * into the state m, l, acc of the query rows q. */
 static int attend_dense_rows(int rows, int dim, const float *q, float scaling, const char *key_base,
                              const char *value_base, int kind, int64_t row_bytes, int64_t length, const uint8_t *ok,
-                             float *m, float *l, float *acc) {
+                             const float *bias, float *probs, float *m, float *l, float *acc) {
     const int64_t stride = (length + 7) / 8 * 8;
     float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
     int64_t *entry = malloc(sizeof(int64_t) * (size_t)length);
@@ -538,7 +538,15 @@ static int attend_dense_rows(int rows, int dim, const float *q, float scaling, c
 #define KVSIEVE_LOGITS(R) logits_rows(R, dim, q, &key_rows, entry, entry, n, NULL, NULL, logits, stride, scaling)
     KVSIEVE_BY_ROWS(KVSIEVE_LOGITS)
 #undef KVSIEVE_LOGITS
+    if (bias)
+        for (int g = 0; g < rows; ++g)
+            for (int64_t i = 0; i < n; ++i) logits[g * stride + entry[i]] += bias[entry[i]];
     weigh(rows, dim, 8, dim / 8, &value_rows, entry, entry, n, NULL, logits, length, stride, m, l, acc);
+    if (probs) /* from an empty state: l is this part's sum of weights, and a weight is exp(logit - max) */
+        for (int g = 0; g < rows; ++g) {
+            const float inverse = 1.0f / l[g];
+            for (int64_t e = 0; e < length; ++e) probs[g * length + e] = logits[g * stride + e] * inverse;
+        }
     free(logits);
     free(entry);
     return 0;
@@ -552,7 +560,7 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
     const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2;
     const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
     return attend_dense_rows(rows, dim, q, scaling, keys + base, values + base, kind, stride_entry * esize, length,
-                             valid ? valid + s * length : NULL, m, l, acc);
+                             valid ? valid + s * length : NULL, NULL, NULL, m, l, acc);
 }
 
 /* One tier's part of one segment, folded into its rows' state m, l, acc. */
@@ -757,7 +765,8 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
         float *m = states + u * state, *l = m + rows, *acc = l + rows;
         start_rows(s, heads, rows, dim, (const char *)query, query_kind, query_batch, query_head, q, m, l, acc);
         failed |= attend_dense_rows(rows, dim, q, scaling, (const char *)keys + row * row_bytes,
-                                    (const char *)values + row * row_bytes, kind, row_bytes, count, NULL, m, l, acc);
+                                    (const char *)values + row * row_bytes, kind, row_bytes, count, NULL, NULL, NULL, m, l,
+                                    acc);
     }
     for (int64_t s = 0; s < segments && !failed; ++s) {
         float *m = states + first[s] * state, *l = m + rows, *acc = l + rows;
@@ -775,6 +784,46 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
     (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
     (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)start; (void)length;
     (void)extra; (void)chunk; (void)parallel_from;
+    return 1;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * A decoding query's attention output and its float32 softmax rows in one pass (kvsieve.native.decoding_rows): what
+ * a scorer that compacts at every decoding step reads (H2O's and EMS's column sums, TOVA's last row) and the output
+ * P.V from the same probabilities, as kvsieve.core.step.LayerStep.decoding_output_from_row computes them in PyTorch.
+ * keys / values (batch, heads, length, dim) with element strides (unit over dim), valid (batch, heads, length) bool
+ * or NULL, bias (batch, heads, length) float32 added to every query row's logits (EMS's log merge counts) or NULL;
+ * writes out (batch, 1, heads * rows, dim) in the query's dtype and probs (batch, heads * rows, length) float32
+ * (invalid entries 0). One segment per (batch item, KV head), in parallel from KVSIEVE_PARALLEL_FROM entries.
+ * Returns 0, or 1 for arguments it does not take.
+ * ------------------------------------------------------------------------------------------------------------- */
+int kvsieve_attend_rows(int batch, int heads, int rows, int dim, const void *query, int query_kind,
+                        int64_t query_batch, int64_t query_head, void *out, float scaling, const void *keys,
+                        const void *values, int kind, int64_t stride_batch, int64_t stride_head, int64_t stride_entry,
+                        int64_t length, const uint8_t *valid, const float *bias, float *probs) {
+#ifdef KVSIEVE_VECTOR
+    if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || query_kind < 0 ||
+        query_kind > 2 || batch < 1 || heads < 1 || length < 1 || !probs)
+        return 1;
+    const int64_t segments = (int64_t)batch * heads, esize = kind == OUT_FLOAT32 ? 4 : 2;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed) if (segments > 1 && segments * length >= KVSIEVE_PARALLEL_FROM)
+    for (int64_t s = 0; s < segments; ++s) {
+        float q[KVSIEVE_MAX_ROWS * 256], m[KVSIEVE_MAX_ROWS], l[KVSIEVE_MAX_ROWS], acc[KVSIEVE_MAX_ROWS * 256];
+        start_rows(s, heads, rows, dim, (const char *)query, query_kind, query_batch, query_head, q, m, l, acc);
+        const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
+        failed |= attend_dense_rows(rows, dim, q, scaling, (const char *)keys + base, (const char *)values + base,
+                                    kind, stride_entry * esize, length, valid ? valid + s * length : NULL,
+                                    bias ? bias + s * length : NULL, probs + s * rows * length, m, l, acc);
+        for (int g = 0; g < rows && !failed; ++g) failed |= l[g] > 0.0f ? 0 : 1; /* a row that sees nothing */
+        finish_rows(s, rows, dim, l, acc, (char *)out, query_kind);
+    }
+    return failed;
+#else
+    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
+    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)stride_batch;
+    (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)bias; (void)probs;
     return 1;
 #endif
 }
