@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 from conftest import PAD_ID, VOCAB
 from transformers import DynamicCache
@@ -151,3 +153,33 @@ def with_test_gates(model: torch.nn.Module, policy, params: dict) -> dict:
     if preset is None or not isinstance(preset.scorer, RetentionGate) or "gates" in params:
         return params
     return {**params, "gates": random_gates(model, tied=policy == "dbtrimkv", seed=0)}
+
+
+#: How close a C helper's float32 attention is to a float64 reference, by output dtype (one unit of the last place).
+NATIVE_TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+
+
+def needs_native(kernel: Callable[[], object]) -> pytest.MarkDecorator:
+    """Skip a C helper's tests where it is not built (no compiler, no AVX2/FMA/F16C): the PyTorch path is all."""
+    compiler = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+    return pytest.mark.skipif(not compiler or kernel() is None,
+                              reason="no C compiler or no AVX2/FMA/F16C build: the PyTorch path is the only one")
+
+
+def decodes_alike(model, make_cache: Callable[[], kvsieve.KVCache], ids: torch.Tensor, dtype: torch.dtype,
+                  with_pass: Callable[[bool], None], after_prefill: Callable[[kvsieve.KVCache], None] | None = None,
+                  steps: int = 4) -> list[kvsieve.KVCache]:
+    """Greedy decoding of ``ids`` with a C pass on, then off (``with_pass(on)`` switches it): the same tokens, and
+    every step's logits within rounding (1e-5 of their scale in float32, 5% in bf16). Returns both caches."""
+    runs, caches = [], []
+    for on in (True, False):
+        with_pass(on)
+        cache = make_cache()
+        hook = None if after_prefill is None else (lambda i, c=cache: after_prefill(c) if i == 0 else None)
+        tokens, logits = decode_loop(model, cache, ids, steps, after_step=hook)
+        runs.append((tokens, torch.stack([step.float() for step in logits[1:]])))
+        caches.append(cache)
+    assert torch.equal(runs[0][0], runs[1][0])
+    scale = float(runs[1][1].abs().max()) * (1e-5 if dtype == torch.float32 else 0.05)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=scale)
+    return caches

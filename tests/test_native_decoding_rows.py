@@ -5,24 +5,20 @@ not apply."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from conftest import build_model
+from helpers import NATIVE_TOLERANCE, all_kept_positions, decodes_alike, needs_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvsieve
 from kvsieve import KVCache
 from kvsieve.core.step import LayerStep
 from kvsieve.native import decoding_rows
 from kvsieve.native.decoding_rows import attend
 
-HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAS_COMPILER or decoding_rows._kernel() is None,
-                                reason="no C compiler or no AVX2/FMA/F16C build: the PyTorch path is the only one")
-TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+pytestmark = needs_native(decoding_rows._kernel)
+TOLERANCE = NATIVE_TOLERANCE
 
 
 def _reference(query, scaling, keys, values, valid, bias):
@@ -110,27 +106,12 @@ def test_every_step_eviction_reads_the_pass_close_to_the_pytorch_path(monkeypatc
         return output
 
     monkeypatch.setattr(LayerStep, "decoding_output_from_row", output_then_rows)
-    runs = {}
-    for native in (True, False):
-        monkeypatch.setattr(decoding_rows, "attend", spy if native else (lambda *args, **kwargs: None))
-        cache = KVCache(model, policy, budget=16, schedule="decode")
-        with torch.no_grad():
-            out = model(prompt, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-            token, steps, tokens = out.logits[:, -1:].argmax(-1), [], []
-            for _ in range(4):
-                out = model(token, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-                steps.append(out.logits[:, -1].float())
-                token = out.logits[:, -1:].argmax(-1)
-                tokens.append(token)
-        kept = [cache.kept_positions(layer, row, head) for layer in range(model.config.num_hidden_layers)
-                for row in range(2) for head in range(model.config.num_key_value_heads)]
-        runs[native] = torch.stack(steps), torch.cat(tokens, dim=1), kept
+    caches = decodes_alike(model, lambda: KVCache(model, policy, budget=16, schedule="decode"), prompt, dtype,
+                           lambda on: monkeypatch.setattr(decoding_rows, "attend", spy if on else lambda *a, **k: None))
     assert taken and all(taken), "an every-step compaction did not take the pass"
     assert len(taken) == 4 * model.config.num_hidden_layers
     assert rows_read and all(rows_read)
-    assert torch.equal(runs[True][1], runs[False][1])
-    for kept, reference in zip(runs[True][2], runs[False][2], strict=True):
-        assert torch.equal(kept, reference)
-    scale = runs[False][0].abs().max()
-    tolerance = 1e-5 if dtype == torch.float32 else 0.05
-    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=float(scale) * tolerance)
+    native, reference = (list(all_kept_positions(cache)) for cache in caches)
+    assert len(native) == len(reference)
+    for (*where, kept), (*where_reference, kept_reference) in zip(native, reference, strict=True):
+        assert where == where_reference and torch.equal(kept, kept_reference)

@@ -5,12 +5,10 @@ rounding of the PyTorch path, and declined where it does not apply."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from conftest import build_model
-from helpers import random_pattern
+from helpers import NATIVE_TOLERANCE, decodes_alike, needs_native, random_pattern
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_row_independence import CharTokenizer
@@ -20,10 +18,8 @@ from kvsieve import KVCache
 from kvsieve.native import segment_attention
 from kvsieve.native.segment_attention import attend
 
-HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAS_COMPILER or segment_attention._kernel() is None,
-                                reason="no C compiler or no AVX2/FMA/F16C build: the PyTorch path is the only one")
-TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+pytestmark = needs_native(segment_attention._kernel)
+TOLERANCE = NATIVE_TOLERANCE
 
 
 def _reference(query, scaling, keys, values, start, length):
@@ -139,24 +135,11 @@ def test_ragged_caches_decode_through_the_pass_close_to_the_pytorch_path(monkeyp
         taken.append(out is not None)
         return out
 
-    runs = {}
-    for native in (True, False):
-        monkeypatch.setattr(segment_attention, "attend", spy if native else (lambda *args, **kwargs: None))
-        cache = KVCache(model, policy, **params, **({"pattern": random_pattern(model)} if policy == "duo_attention"
-                                                     else {}))
-        with torch.no_grad():
-            out = model(prompt, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-            if policy == "kvzip":  # its scores come from its reconstruction pass
-                kvsieve.reconstruct(model, CharTokenizer(), cache, prompt)
-            token, steps, tokens = out.logits[:, -1:].argmax(-1), [], []
-            for _ in range(4):
-                out = model(token, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-                steps.append(out.logits[:, -1].float())
-                token = out.logits[:, -1:].argmax(-1)
-                tokens.append(token)
-        runs[native] = torch.stack(steps), torch.cat(tokens, dim=1)
+    if policy == "duo_attention":
+        params = {**params, "pattern": random_pattern(model)}
+    decodes_alike(model, lambda: KVCache(model, policy, **params), prompt, dtype,
+                  lambda on: monkeypatch.setattr(segment_attention, "attend", spy if on else lambda *a, **k: None),
+                  # KVzip's scores come from its reconstruction pass
+                  (lambda cache: kvsieve.reconstruct(model, CharTokenizer(), cache, prompt)) if policy == "kvzip"
+                  else None)
     assert taken and all(taken), "a ragged decoding step did not take the pass"
-    assert torch.equal(runs[True][1], runs[False][1])
-    scale = runs[False][0].abs().max()
-    tolerance = 1e-5 if dtype == torch.float32 else 0.05
-    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=float(scale) * tolerance)

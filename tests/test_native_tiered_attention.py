@@ -5,11 +5,11 @@ used by a mixed cache's decoding steps, and declined where it does not apply."""
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
 from conftest import build_model
+from helpers import NATIVE_TOLERANCE, decodes_alike, needs_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +20,8 @@ from kvsieve.cache.store_tiers import StoreTiers
 from kvsieve.native import tiered_attention
 from kvsieve.native.tiered_attention import PackedTier, attend
 
-HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
-pytestmark = pytest.mark.skipif(not HAS_COMPILER or tiered_attention._kernel() is None,
-                                reason="no C compiler or no AVX2/FMA/F16C build: the PyTorch path is the only one")
-TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+pytestmark = needs_native(tiered_attention._kernel)
+TOLERANCE = NATIVE_TOLERANCE
 
 
 def _tier(batch: int, heads: int, dim: int, bits: int, group: int, value_group: int, counts: list[int], seed: int,
@@ -152,25 +150,11 @@ def test_a_mixed_cache_decodes_through_the_pass_close_to_the_dequantized_view(mo
         taken.append(out is not None)
         return out
 
-    runs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(StoreTiers, "decoding_output", spy if fused else (lambda self, query, scaling: None))
-        cache = KVCache(model, "mixed", budget=16, window=2, group=4, value_group=8)
-        with torch.no_grad():
-            out = model(prompt, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-            token, steps, tokens = out.logits[:, -1:].argmax(-1), [], []
-            for _ in range(4):
-                out = model(token, **kvsieve.cache_kwargs(model, cache), use_cache=True)
-                steps.append(out.logits[:, -1].float())
-                token = out.logits[:, -1:].argmax(-1)
-                tokens.append(token)
-        runs[fused] = torch.stack(steps), torch.cat(tokens, dim=1)
+    decodes_alike(model, lambda: KVCache(model, "mixed", budget=16, window=2, group=4, value_group=8), prompt, dtype,
+                  lambda on: monkeypatch.setattr(StoreTiers, "decoding_output",
+                                                 spy if on else (lambda self, query, scaling: None)))
     assert taken and all(taken), "a decoding step of the mixed cache did not take the pass over packed tiers"
     assert len(taken) == 4 * model.config.num_hidden_layers
-    assert torch.equal(runs[True][1], runs[False][1])
-    scale = runs[False][0].abs().max()
-    tolerance = 1e-5 if dtype == torch.float32 else 0.05
-    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=float(scale) * tolerance)
 
 
 def test_a_deep_copy_reads_its_own_packed_tiers():

@@ -19,16 +19,16 @@ import ctypes
 import torch
 
 from kvsieve.native import build
+from kvsieve.native.build import I32, I64, PTR
 
 #: View dtypes the C pass writes, by its ``out_kind`` code.
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Widest head the C pass takes (its row buffers).
 MAX_DIM = 1024
 
-_I32, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 #: The argument types of ``kvsieve_dequantize`` (``tiers.c``).
-ARGUMENTS = (_I32, _I32, _I32, _I32, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I64, _I64,
-             _I64)
+ARGUMENTS = (I32, I32, I32, I32, I64, I64, PTR, PTR, PTR, PTR, PTR, I32, PTR, PTR, I32, I64, I64,
+             I64)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

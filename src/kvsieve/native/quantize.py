@@ -15,10 +15,10 @@ import ctypes
 import torch
 
 from kvsieve.native import build
+from kvsieve.native.build import I32, I64, PTR
 
-_I32, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 #: The argument types of ``kvsieve_quantize`` (``tiers.c``).
-ARGUMENTS = (_I32, _I32, _I32, _I32, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR)
+ARGUMENTS = (I32, I32, I32, I32, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -24,6 +24,7 @@ import ctypes
 import torch
 
 from kvsieve.native import build
+from kvsieve.native.build import F32, I32, I64, PTR
 from kvsieve.native.dequantize import OUT_KINDS
 
 #: Most entries one unit of work attends (a segment holding more is cut into several, folded in order). Measured in
@@ -34,9 +35,8 @@ CHUNK = 512
 #: batch-8 layer of 3,072 entries ran on one thread: 137 µs against SDPA's 84 (timed alone).
 PARALLEL_FROM = 1024
 
-_I32, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 #: The argument types of ``kvsieve_attend_segments`` (``tiers.c``).
-ARGUMENTS = (_I32, _I32, _I32, _I32, _PTR, _I32, _I64, _I64, _PTR, _F32, _PTR, _PTR, _I32, _PTR, _PTR, _I64, _I64, _I64)
+ARGUMENTS = (I32, I32, I32, I32, PTR, I32, I64, I64, PTR, F32, PTR, PTR, I32, PTR, PTR, I64, I64, I64)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.native import build
+from kvsieve.native.build import F32, I32, I64, PTR
 from kvsieve.native.dequantize import OUT_KINDS
 
 
@@ -66,10 +67,9 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-_I32, _I64, _PTR, _F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 #: The argument types of ``kvsieve_attend_tiered`` (``tiers.c``).
-ARGUMENTS = (_I32, _I32, _I32, _I32, _PTR, _I32, _I64, _I64, _PTR, _F32, _PTR, _PTR, _I32, _I64, _I64, _I64, _I64,
-             _PTR, _I32, _PTR)
+ARGUMENTS = (I32, I32, I32, I32, PTR, I32, I64, I64, PTR, F32, PTR, PTR, I32, I64, I64, I64, I64,
+             PTR, I32, PTR)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
