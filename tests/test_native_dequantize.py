@@ -5,6 +5,7 @@ cannot be built."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,20 @@ pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the PyT
 
 def test_the_pass_is_built_where_a_compiler_is():
     assert native_dequantize.available(), "a C compiler is installed but kvsieve.native did not build tiers.c"
+
+
+def test_the_build_says_whether_its_attention_passes_run():
+    """``build.vector_code()`` (what the attention passes' tests skip on) is whether a pass takes a plain decoding
+    query: True on a CPU with AVX2/FMA/F16C, False elsewhere (the passes always decline there)."""
+    from kvsieve.native import build, segment_attention
+
+    keys = torch.randn(8, 16)
+    out = segment_attention.attend(torch.randn(1, 2, 1, 16), 0.25, keys, keys, torch.tensor([0]), torch.tensor([8]))
+    assert build.vector_code() == (out is not None)
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    if all(flag in flags.split() for flag in ("avx2", "fma", "f16c")):
+        assert build.vector_code()
 
 
 def _tier(counts: list[int], bits: int, group: int, value_group: int, dim: int, dtype: torch.dtype, seed: int,

@@ -84,6 +84,13 @@ def function(name: str, symbol: str, argtypes: tuple[type, ...], restype: type =
     return bound
 
 
+
+def vector_code(name: str = "tiers") -> bool:
+    """Whether the library built from ``<name>.c`` has its vector code (AVX2, FMA, F16C: the attention passes run);
+    False where it is not built or the CPU lacks them (an ARM CPU, an x86 one before Haswell)."""
+    probe = function(name, "kvsieve_vector_code", ())
+    return probe is not None and bool(probe())
+
 def _compiler() -> str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:

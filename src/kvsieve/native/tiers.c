@@ -827,3 +827,12 @@ int kvsieve_attend_rows(int batch, int heads, int rows, int dim, const void *que
     return 1;
 #endif
 }
+
+/* 1 when this build has the vector code (AVX2, FMA, F16C), so the attention passes run; 0: they always return 1. */
+int kvsieve_vector_code(void) {
+#ifdef KVSIEVE_VECTOR
+    return 1;
+#else
+    return 0;
+#endif
+}
