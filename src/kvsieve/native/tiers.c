@@ -705,10 +705,7 @@ int kvsieve_attend_tiered(int batch, int heads, int rows, int dim, const void *q
                                  stride_head, stride_entry, length, valid, tiers, descriptors);
     return failed;
 #else
-    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
-    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)stride_batch;
-    (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)tiers; (void)descriptors;
-    return 1;
+    return 1; /* no vector code: the caller takes its PyTorch path */
 #endif
 }
 
@@ -781,10 +778,7 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
     free(states);
     return failed;
 #else
-    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
-    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)start; (void)length;
-    (void)extra; (void)chunk; (void)parallel_from;
-    return 1;
+    return 1; /* no vector code: the caller takes its PyTorch path */
 #endif
 }
 
@@ -821,10 +815,7 @@ int kvsieve_attend_rows(int batch, int heads, int rows, int dim, const void *que
     }
     return failed;
 #else
-    (void)batch; (void)heads; (void)rows; (void)dim; (void)query; (void)query_kind; (void)query_batch;
-    (void)query_head; (void)out; (void)scaling; (void)keys; (void)values; (void)kind; (void)stride_batch;
-    (void)stride_head; (void)stride_entry; (void)length; (void)valid; (void)bias; (void)probs;
-    return 1;
+    return 1; /* no vector code: the caller takes its PyTorch path */
 #endif
 }
 
