@@ -24,6 +24,7 @@ import kvsieve
 from kvsieve.cache.store import LayerStore
 from kvsieve.engine.engine import Engine
 from kvsieve.engine.layer_plans import LayerPlans
+from kvsieve.native import evict_lowest
 from kvsieve.transformers_adapter import cache_kwargs
 
 DECODE_STEPS = 6
@@ -32,7 +33,10 @@ DECODE_STEPS = 6
 def _decode(model, policy: str, params: dict, rows: list[torch.Tensor], fused: bool, monkeypatch
             ) -> tuple[list[torch.Tensor], list[list[list[int]]], list[torch.Tensor]]:
     """Prompt (left-padded) then fixed decoding tokens; logits and kept positions after every decoding step, and
-    the rows fused at each decision (empty when ``fused`` is False: the decision is overridden to None)."""
+    the rows fused at each decision (empty when ``fused`` is False: the decision is overridden to None). Through the
+    general step: the in-place pass of a uniform store (``kvsieve.native.evict_lowest``, tested in
+    ``test_native_evict_lowest.py``) is off."""
+    monkeypatch.setattr(evict_lowest, "available", lambda: False)
     decisions: list[torch.Tensor] = []
     original = Engine._fused_decoding_rows
 
@@ -199,6 +203,7 @@ def test_drop_one_with_tied_lowest_scores(host_reads, monkeypatch):
         return plan
 
     monkeypatch.setattr(LayerPlans, "_drop_one", record)
+    monkeypatch.setattr(evict_lowest, "available", lambda: False)  # the general step's plan, from the patched scores
     monkeypatch.setattr("kvsieve.parts.scorers.h2o.AccumulatedAttention.raw",
                         lambda self, step, nominal: torch.zeros(step.view.positions.shape))
     model = build_model("llama")

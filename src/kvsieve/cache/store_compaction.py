@@ -14,6 +14,7 @@ import torch
 from kvsieve.cache.length_groups import call_cost, compact_step_cost, partitions, plan_groups, run_call_cost
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
+from kvsieve.native.evict_lowest import evict_lowest
 
 #: The most padding a padded layout or strided runs may hold, as a share of the held entries
 #: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
@@ -207,6 +208,34 @@ class StoreCompaction(StoreLayout):
         self.extras = {name: t.index_select(0, index) for name, t in self.extras.items()}
         self._set_uniform(kept, kept + self._reserve)
         self._layout_changed()
+
+    def drop_lowest(self, rows: torch.Tensor, accumulator: str, candidates: int, reserve: int) -> bool | None:
+        """A decoding step's observation and :meth:`drop_one` in place, for a scorer whose score is side data
+        ``accumulator`` summing each query's attention (H2O's): add each KV head's group mean of ``rows``
+        ``(batch, q_heads, 1, L)`` (the new query's float32 softmax rows over the held entries) to it, then drop each
+        segment's entry with the lowest sum among its first ``candidates`` (the newest ones are protected), every
+        buffer moved by one row in place — what the engine's observation, :meth:`LayerPlans._drop_one
+        <kvsieve.engine.layer_plans.LayerPlans._drop_one>` and :meth:`drop_one` compute, bit for bit
+        (:mod:`kvsieve.native.evict_lowest`), in place: only where the buffers already have the capacity
+        :meth:`drop_one` would leave under ``reserving(reserve)`` (the kept entries and ``reserve`` free rows).
+
+        True: dropped. False: some segment's lowest sum is tied (or NaN) — the sums were added, nothing moved; the
+        caller plans on the general path without observing again. None: not taken, nothing changed (not a uniform
+        store without hooks or deferred side data, another capacity, off the CPU, no built pass)."""
+        if self._uniform is None or self.hooks or self._deferred or accumulator not in self._extras:
+            return None
+        length, cap = self._uniform
+        if cap != length - 1 + reserve:  # drop_one shrinks these buffers (a prompt's compaction left no free row)
+            return None
+        buffers = (self.keys, self.values, self.positions, *self._extras.values())
+        dropped = evict_lowest(rows, self.heads, self._extras[accumulator], cap, candidates, buffers)
+        if dropped is None or dropped is False:
+            return dropped
+        capacity_views = self._capacity_cache  # the same buffers: their views stay
+        self._set_uniform(length - 1, cap)
+        self._capacity_cache = capacity_views
+        self._layout_changed()
+        return True
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / select batch items (beam search, batch filtering)."""

@@ -50,6 +50,7 @@ from kvsieve.engine.layer_plans import LayerPlans
 from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
+from kvsieve.native import decoding_rows, evict_lowest
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.scorers.base import Scorer
 from kvsieve.policies.policy import Policy
@@ -107,6 +108,15 @@ class Engine:
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
         self._plans = LayerPlans(policy, info)
+        #: Side data an every-step decoding eviction observes, plans and drops from in one pass
+        #: (:meth:`_evicting_step`); None where no decoding step does so.
+        accumulator = self._plans.accumulator()
+        self._accumulator = accumulator if (
+            accumulator is not None and scorer is not None and not self._global and policy.selector is None
+            and not policy.expand_gqa and self._plain_action and type(policy.action).apply is Action.apply
+            and not policy.hooks()
+            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
+        ) else None
         self._deferral = Deferral(policy)
         self._warning = NoopWarning(policy, self.managed)
         self._global_plans = GlobalPlans(policy, self.managed, self._plans, self._deferral, self._warning)
@@ -198,6 +208,10 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
+        if q_len == 1 and self._accumulator is not None and sliding_window is None and not form.explicit:
+            output = self._evicting_step(layer, module, query, new_keys, new_values, attention_mask, form)
+            if output is not None:
+                return output
         if q_len == 1 and (self._decodes_plainly or self._defers_plainly) and sliding_window is None \
                 and not form.explicit:
             output = self._plain_decoding_step(layer, module, query, new_keys, new_values, attention_mask, form)
@@ -272,6 +286,55 @@ class Engine:
         if self._deferral.compactions > 0 and attention_output.packs_query(query, form, keys.shape[1]):
             return attention_output.packed_decoding_output(query, keys, values, form.scaling)
         return sdpa_attention(module, query, keys, values, None, form.scaling)
+
+    def _evicting_step(
+        self, layer: LayerState, module: torch.nn.Module, query: torch.Tensor, new_keys: torch.Tensor,
+        new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
+    ) -> torch.Tensor | None:
+        """A decoding step of every-step eviction by an accumulated score (``h2o`` with ``schedule="decode"``) that
+        drops one entry per head, on the CPU: append in place, the output and the float32 rows from one pass
+        (:mod:`kvsieve.native.decoding_rows`, as :meth:`LayerStep.decoding_output_from_row`), then the observation,
+        the plan and the drop in one more, in place
+        (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest`) — what :meth:`_step` computes for it,
+        bit for bit (tested), without describing the step or building the plan (issue 22: about twenty small PyTorch
+        operations per layer were a fifth of the step). None (the general step runs, nothing changed) unless the
+        uniform store holds exactly its budget, keeps no hooks and the new token is real in every row; where either
+        pass declines after the append (a tie among the lowest scores), the general step's remainder finishes the
+        step from where it stands."""
+        store = layer.store
+        assert store is not None
+        seen = layer.seen
+        if layer.left_alone or self.probe is not None or seen == 0 or store.hooks or not store.is_uniform \
+                or query.device.type != "cpu" or not evict_lowest.available() \
+                or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
+            return None
+        candidates = self._plans.lowest_candidates(layer.layer_idx, store.max_length + 1)
+        if candidates is None:
+            return None
+        store.append(new_keys, new_values, seen, None)
+        layer.seen = seen + 1
+        keys, values = store.held_views()
+        fused = decoding_rows.attend(query, form.scaling, keys, values, None, None)
+        dropped = None if fused is None else store.drop_lowest(fused[1], self._accumulator, candidates,
+                                                                self.policy.schedule.decoding_reserve())
+        call = LayerCall(layer, module, query, new_keys, new_values, None, form, None, layer.take_layer_inputs())
+        if dropped:
+            assert fused is not None
+            layer.forwards += 1
+            self._deferral.compactions += 1
+            return fused[0]
+        step = self._describe(call, seen, None)
+        if fused is None:  # the general step from its output on
+            output = step.decoding_output_from_row()
+            self._after_output(call, step)
+        else:
+            output, step._memo[("rows", 1)] = fused
+            if dropped is None:  # nothing changed: observe, plan and act
+                self._after_output(call, step)
+            else:  # a tie: observed, nothing moved; the general plan decides
+                self._plan(call, step)
+        store.release_views()
+        return output
 
     def _plans_this_step(self, layer: LayerState, store: LayerStore, seen: int) -> bool:
         """Before a decoding step's append: whether this forward plans this managed layer (its schedule fires once
@@ -423,6 +486,12 @@ class Engine:
             new_values = new_values.repeat_interleave(groups, dim=1)
         store.append(new_keys, new_values, seen, token_valid)
         layer.seen = seen + q_len
+        return self._describe(call, seen, token_valid)
+
+    def _describe(self, call: LayerCall, seen: int, token_valid: torch.Tensor | None) -> LayerStep:
+        """The forward whose entries were just appended (at ``seen``) as a :class:`LayerStep`."""
+        layer, query, store = call.layer, call.query, call.layer.store
+        assert store is not None
         step = LayerStep(
             module=call.module, layer_idx=layer.layer_idx, info=self.info, query=query, first_position=seen,
             query_valid=token_valid, store=store, scaling=call.form.scaling, form=call.form,

@@ -86,6 +86,33 @@ class LayerPlans:
             return None
         return self.policy.action.plan(scores, counts, step)
 
+    def accumulator(self) -> str | None:
+        """The side data a decoding step that drops one entry per head may observe, plan and drop from in one pass
+        (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest`): the scorer's
+        :attr:`~kvsieve.parts.scorers.base.Scorer.ACCUMULATES_ROWS` (H2O's), when the class declaring it observes,
+        scores and protects (only its newest entries) and the plan is :meth:`_drop_one`'s; None otherwise."""
+        scorer = self.policy.scorer
+        name = getattr(scorer, "ACCUMULATES_ROWS", None)
+        if scorer is None or name is None or not self._drops_one or type(scorer).score is not Scorer.score:
+            return None
+        owner = next(cls for cls in type(scorer).__mro__ if "ACCUMULATES_ROWS" in vars(cls))
+        if any(getattr(type(scorer), method) is not getattr(owner, method)
+               for method in ("observe", "raw", "protect", "kept_newest")):
+            return None
+        return name
+
+    def lowest_candidates(self, layer_idx: int, held: int) -> int | None:
+        """At a decoding step whose store holds ``held`` entries per head once the step's entry is appended (uniform,
+        no padding): how many older entries of each head compete for the one drop of :meth:`_drop_one` (the newest
+        ones are protected); None when this step does not plan exactly that."""
+        budget = self.layer_budget(layer_idx)
+        if budget is None or held != budget + 1 or not self.policy.schedule.fires(True, held, budget):
+            return None
+        limit = self.policy.schedule.row_limit(True, budget)
+        scorer = self.policy.scorer
+        newest = None if scorer is None or (limit is not None and limit > budget) else scorer.kept_newest(budget)
+        return None if newest is None or newest >= held else held - newest
+
     def _one_over(self, layer_idx: int, step: LayerStep) -> bool:
         """Whether every head of this decoding step holds exactly one entry over its layer's budget, in a uniform
         store without padding (every-step decoding eviction: ``h2o``/``tova`` with ``schedule="decode"``)."""

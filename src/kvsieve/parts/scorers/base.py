@@ -71,6 +71,12 @@ class Scorer(Part):
     SIDE: ClassVar[tuple[SideSpec, ...]] = ()
     #: :meth:`observe` returns nothing outside probe forwards (KVzip): an ordinary decoding step observes nothing.
     OBSERVES_PROBES_ONLY: ClassVar[bool] = False
+    #: The side data that is this scorer's raw score, to which :meth:`observe` adds each query's attention row averaged
+    #: over its KV head's query heads (H2O's accumulator); None: the scorer scores otherwise. An engine may then
+    #: observe, plan and drop one entry per head in one pass at an every-step decoding step
+    #: (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest`), as long as the class that declares it
+    #: is the one whose :meth:`observe`, :meth:`raw` and :meth:`protect` run.
+    ACCUMULATES_ROWS: ClassVar[str | None] = None
 
     def schedules(self) -> tuple[str, ...]:
         return self.SCHEDULES

@@ -32,6 +32,7 @@ class AccumulatedAttention(Scorer):
     SCHEDULES: ClassVar[tuple[str, ...]] = ALL_SCHEDULES
     NEEDS: ClassVar[frozenset[str]] = frozenset({COLUMN_SUMS})
     SIDE: ClassVar[tuple[SideSpec, ...]] = (SideSpec(ACCUMULATOR),)
+    ACCUMULATES_ROWS: ClassVar[str | None] = ACCUMULATOR
     recent_ratio: float = 0.5
 
     def validate(self) -> None:
