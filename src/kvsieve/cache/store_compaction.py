@@ -14,7 +14,7 @@ import torch
 from kvsieve.cache.length_groups import call_cost, compact_step_cost, partitions, plan_groups, run_call_cost
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
-from kvsieve.native.evict_lowest import evict_lowest
+from kvsieve.native.evict_lowest import accumulate_and_evict, evict_lowest
 
 #: The most padding a padded layout or strided runs may hold, as a share of the held entries
 #: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
@@ -222,15 +222,40 @@ class StoreCompaction(StoreLayout):
         True: dropped. False: some segment's lowest sum is tied (or NaN) — the sums were added, nothing moved; the
         caller plans on the general path without observing again. None: not taken, nothing changed (not a uniform
         store without hooks or deferred side data, another capacity, off the CPU, no built pass)."""
-        if self._uniform is None or self.hooks or self._deferred or accumulator not in self._extras:
+        if not self._drops_in_place(reserve) or accumulator not in self._extras:
             return None
+        assert self._uniform is not None
+        return self._dropped_in_place(accumulate_and_evict(
+            rows, self.heads, self._extras[accumulator], self._uniform[1], candidates, self._buffers()))
+
+    def drop_lowest_scored(self, scores: torch.Tensor, candidates: int, reserve: int) -> bool | None:
+        """:meth:`drop_lowest` of scores a decoding step computed (TOVA's last-query attention) ``(batch, heads, L)``,
+        or ``(batch, 1, L)`` shared by a batch item's heads — then only where they hold the same positions (the
+        pass checks): no side data is updated. The same results (False: a tie, nothing moved)."""
+        if not self._drops_in_place(reserve):
+            return None
+        assert self._uniform is not None
+        positions = self.positions if scores.shape[1] == 1 and self.heads > 1 else None
+        return self._dropped_in_place(evict_lowest(scores, self.heads, self._uniform[1], candidates,
+                                                   self._buffers(), positions))
+
+    def _drops_in_place(self, reserve: int) -> bool:
+        """A uniform store without hooks or deferred side data whose buffers have :meth:`drop_one`'s capacity after
+        one entry per segment goes (a prompt's compaction leaves no free row: the first decoding drop shrinks them)."""
+        if self._uniform is None or self.hooks or self._deferred:
+            return False
         length, cap = self._uniform
-        if cap != length - 1 + reserve:  # drop_one shrinks these buffers (a prompt's compaction left no free row)
-            return None
-        buffers = (self.keys, self.values, self.positions, *self._extras.values())
-        dropped = evict_lowest(rows, self.heads, self._extras[accumulator], cap, candidates, buffers)
+        return cap == length - 1 + reserve
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.values, self.positions, *self._extras.values())
+
+    def _dropped_in_place(self, dropped: torch.Tensor | bool | None) -> bool | None:
+        """The layout after the pass dropped one entry per segment in place (the same buffers and capacity)."""
         if dropped is None or dropped is False:
             return dropped
+        assert self._uniform is not None
+        length, cap = self._uniform
         capacity_views = self._capacity_cache  # the same buffers: their views stay
         self._set_uniform(length - 1, cap)
         self._capacity_cache = capacity_views

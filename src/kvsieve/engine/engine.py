@@ -108,11 +108,11 @@ class Engine:
         self._mask_memo: tuple[object, torch.Tensor | None] | None = None
         self._valid_memo: tuple[object, int, int, torch.Tensor | None] | None = None
         self._plans = LayerPlans(policy, info)
-        #: Side data an every-step decoding eviction observes, plans and drops from in one pass
-        #: (:meth:`_evicting_step`); None where no decoding step does so.
-        accumulator = self._plans.accumulator()
-        self._accumulator = accumulator if (
-            accumulator is not None and scorer is not None and not self._global and policy.selector is None
+        #: An every-step decoding eviction that observes, plans and drops in one pass (:meth:`_evicting_step`): the
+        #: side data it accumulates (H2O's) or "" (scores from the query's row alone: TOVA's); None where none does.
+        in_place = self._plans.accumulator() or ("" if self._plans.scores_from_row() else None)
+        self._in_place = in_place if (
+            in_place is not None and scorer is not None and not self._global and policy.selector is None
             and not policy.expand_gqa and self._plain_action and type(policy.action).apply is Action.apply
             and not policy.hooks()
             and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
@@ -208,7 +208,7 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
-        if q_len == 1 and self._accumulator is not None and sliding_window is None and not form.explicit:
+        if q_len == 1 and self._in_place is not None and sliding_window is None and not form.explicit:
             output = self._evicting_step(layer, module, query, new_keys, new_values, attention_mask, form)
             if output is not None:
                 return output
@@ -291,16 +291,15 @@ class Engine:
         self, layer: LayerState, module: torch.nn.Module, query: torch.Tensor, new_keys: torch.Tensor,
         new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
     ) -> torch.Tensor | None:
-        """A decoding step of every-step eviction by an accumulated score (``h2o`` with ``schedule="decode"``) that
-        drops one entry per head, on the CPU: append in place, the output and the float32 rows from one pass
-        (:mod:`kvsieve.native.decoding_rows`, as :meth:`LayerStep.decoding_output_from_row`), then the observation,
-        the plan and the drop in one more, in place
-        (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest`) — what :meth:`_step` computes for it,
-        bit for bit (tested), without describing the step or building the plan (issue 22: about twenty small PyTorch
-        operations per layer were a fifth of the step). None (the general step runs, nothing changed) unless the
-        uniform store holds exactly its budget, keeps no hooks and the new token is real in every row; where either
-        pass declines after the append (a tie among the lowest scores), the general step's remainder finishes the
-        step from where it stands."""
+        """A decoding step of every-step eviction that drops one entry per head by an accumulated score or the
+        query's row alone (``h2o``, ``tova`` with ``schedule="decode"``), on the CPU: append in place, the output and
+        the float32 rows from one pass (:mod:`kvsieve.native.decoding_rows`, as
+        :meth:`LayerStep.decoding_output_from_row`), then the observation, the plan and the drop in one more, in place
+        (:meth:`_drop_lowest`) — what :meth:`_step` computes for it, bit for bit (tested), without describing the step
+        or building the plan (issue 22: about twenty small PyTorch operations per layer were a fifth of the step).
+        None (the general step runs, nothing changed) unless the uniform store holds exactly its budget, keeps no
+        hooks and the new token is real in every row; where a pass declines after the append (a tie among the lowest
+        scores, TOVA's heads not aligned), the general step's remainder finishes the step from where it stands."""
         store = layer.store
         assert store is not None
         seen = layer.seen
@@ -315,8 +314,7 @@ class Engine:
         layer.seen = seen + 1
         keys, values = store.held_views()
         fused = decoding_rows.attend(query, form.scaling, keys, values, None, None)
-        dropped = None if fused is None else store.drop_lowest(fused[1], self._accumulator, candidates,
-                                                                self.policy.schedule.decoding_reserve())
+        dropped = None if fused is None else self._drop_lowest(store, fused[1], candidates)
         call = LayerCall(layer, module, query, new_keys, new_values, None, form, None, layer.take_layer_inputs())
         if dropped:
             assert fused is not None
@@ -331,10 +329,21 @@ class Engine:
             output, step._memo[("rows", 1)] = fused
             if dropped is None:  # nothing changed: observe, plan and act
                 self._after_output(call, step)
-            else:  # a tie: observed, nothing moved; the general plan decides
+            else:  # a tie: observed (H2O's sums), nothing moved; the general plan decides
                 self._plan(call, step)
         store.release_views()
         return output
+
+    def _drop_lowest(self, store: LayerStore, rows: torch.Tensor, candidates: int) -> bool | None:
+        """:meth:`_evicting_step`'s pass over the step's softmax ``rows``: H2O's accumulated sums, or the scores the
+        scorer takes from the rows alone (TOVA's); returns as
+        :meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest` does."""
+        reserve = self.policy.schedule.decoding_reserve()
+        if self._in_place:
+            return store.drop_lowest(rows, self._in_place, candidates, reserve)
+        assert self.policy.scorer is not None
+        scores = self.policy.scorer.scores_from_row(rows, store.heads)
+        return None if scores is None else store.drop_lowest_scored(scores, candidates, reserve)
 
     def _plans_this_step(self, layer: LayerState, store: LayerStore, seen: int) -> bool:
         """Before a decoding step's append: whether this forward plans this managed layer (its schedule fires once

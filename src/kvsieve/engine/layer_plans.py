@@ -93,13 +93,30 @@ class LayerPlans:
         scores and protects (only its newest entries) and the plan is :meth:`_drop_one`'s; None otherwise."""
         scorer = self.policy.scorer
         name = getattr(scorer, "ACCUMULATES_ROWS", None)
-        if scorer is None or name is None or not self._drops_one or type(scorer).score is not Scorer.score:
-            return None
-        owner = next(cls for cls in type(scorer).__mro__ if "ACCUMULATES_ROWS" in vars(cls))
-        if any(getattr(type(scorer), method) is not getattr(owner, method)
-               for method in ("observe", "raw", "protect", "kept_newest")):
+        if name is None or not self._declared_by_scoring_class("ACCUMULATES_ROWS", ("observe",)):
             return None
         return name
+
+    def scores_from_row(self) -> bool:
+        """Whether such a step may instead plan and drop from the scores of the query's row alone
+        (:meth:`~kvsieve.parts.scorers.base.Scorer.scores_from_row`, TOVA's;
+        :meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest_scored`): the class defining it scores and
+        protects, nothing is observed, and the plan is :meth:`_drop_one`'s."""
+        scorer = self.policy.scorer
+        return (scorer is not None and type(scorer).observe is Scorer.observe
+                and type(scorer).scores_from_row is not Scorer.scores_from_row
+                and self._declared_by_scoring_class("scores_from_row", ()))
+
+    def _declared_by_scoring_class(self, attribute: str, methods: tuple[str, ...]) -> bool:
+        """The plan is :meth:`_drop_one`'s, and the scorer class that defines ``attribute`` is the one whose
+        ``methods``, :meth:`raw`, :meth:`protect` and :meth:`kept_newest` run (a subclass overriding any scores
+        otherwise)."""
+        scorer = self.policy.scorer
+        if scorer is None or not self._drops_one or type(scorer).score is not Scorer.score:
+            return False
+        owner = next(cls for cls in type(scorer).__mro__ if attribute in vars(cls))
+        return all(getattr(type(scorer), method) is getattr(owner, method)
+                   for method in (*methods, "raw", "protect", "kept_newest"))
 
     def lowest_candidates(self, layer_idx: int, held: int) -> int | None:
         """At a decoding step whose store holds ``held`` entries per head once the step's entry is appended (uniform,

@@ -106,6 +106,17 @@ class Scorer(Part):
         observes otherwise."""
         return None
 
+    def scores_from_row(self, rows: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+        """A decoding step's raw scores from its query's float32 softmax rows alone, ``(batch, q_heads, 1, L)`` over a
+        uniform store's held entries without padding, exactly as :meth:`raw` gives them there: ``(batch, kv_heads, L)``,
+        or ``(batch, 1, L)`` shared by the KV heads of a batch item — what :meth:`raw` gives only where the item's heads
+        hold the same positions (the caller checks, and takes :meth:`raw` otherwise). An engine may then plan and drop
+        one entry per head in one pass at an every-step decoding step
+        (:meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest_scored`), as long as the class that
+        defines it is the one whose :meth:`raw` and :meth:`protect` run and it observes nothing. None (the default):
+        the score reads more than the row."""
+        return None
+
     def observe(self, step: LayerStep) -> dict[str, torch.Tensor | AppendedUpdate | DeferredUpdate]:
         """Additive updates after every forward (default: none): ``{side name: (batch, kv_heads, L, ...)}`` over
         the dense view, an :class:`~kvsieve.core.step.AppendedUpdate` for the forward's new entries only, or a

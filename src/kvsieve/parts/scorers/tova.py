@@ -44,6 +44,12 @@ class LastQueryAttention(Scorer):
         aligned = _rows_with_aligned_heads(step)  # decided per row: rows are independent requests
         return torch.where(aligned[:, None, None], shared, per_group)
 
+    def scores_from_row(self, rows: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+        last_row = rows[:, :, -1]  # the same reductions as raw's, of the same row
+        if self.heads == "group":
+            return reduce_groups(last_row, kv_heads, "mean")
+        return last_row.mean(dim=1, keepdim=True)  # shared: raw's where the row's heads are aligned
+
 
 def _rows_with_aligned_heads(step: LayerStep) -> torch.Tensor:
     """``(batch,)``: every KV head of the row holds the same positions (an average over all heads is per token)."""
