@@ -14,6 +14,8 @@ import kvsieve
 from kvsieve.attention import flash_statistics
 from kvsieve.attention.flash_statistics import flash_attention_and_column_sums
 from kvsieve.attention.kernel import AttentionForm, Visibility, column_sums
+from kvsieve.native import column_sums as column_sums_native
+from kvsieve.native.column_sums import causal_column_sums
 from kvsieve.transformers_adapter import cache_kwargs
 
 SCALE = 64**-0.5
@@ -28,12 +30,23 @@ def _inputs(q_heads: int, kv_heads: int, n: int, dtype: torch.dtype, seed: int =
     return query, keys, values, Visibility(0, positions)
 
 
+def _native_sums(query, keys, logsumexp, scaling):
+    """The C pass's sums (``kvsieve.native.column_sums``), checked to be taken where it runs."""
+    sums = causal_column_sums(query, keys, logsumexp, scaling)
+    assert (sums is not None) == (query.dtype == torch.bfloat16 and column_sums_native.bf16_dot())
+    return sums
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4)])
-def test_output_is_sdpas_and_sums_are_the_softmax_passs(dtype, q_heads, kv_heads):
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch-sums", "native-sums"])
+def test_output_is_sdpas_and_sums_are_the_softmax_passs(dtype, q_heads, kv_heads, native):
+    """The sums from the PyTorch blocks, or from the CPU's bfloat16 dot products where it has them (``native``;
+    float16 and CPUs without AVX512-BF16 take the PyTorch blocks): both within the same bound of a float64 reference."""
     n = 200  # several query blocks (at most 64 rows each)
     query, keys, values, visibility = _inputs(q_heads, kv_heads, n, dtype)
-    result = flash_attention_and_column_sums(query, keys, values, visibility, AttentionForm(SCALE), None, None)
+    result = flash_attention_and_column_sums(query, keys, values, visibility, AttentionForm(SCALE), None, None,
+                                             _native_sums if native else None)
     assert result is not None
     output, sums = result
     expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=SCALE,

@@ -18,6 +18,8 @@ float64 sums, against ~1e-6 for the softmax pass (``test_flash_statistics.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvsieve.attention.kernel import (
@@ -33,9 +35,13 @@ from kvsieve.attention.kernel import (
 def flash_attention_and_column_sums(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visibility: object, form: AttentionForm | float,
     query_weight: torch.Tensor | None, bias: torch.Tensor | None,
+    faster_sums: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The output ``(batch, q, q_heads, d)`` and the column sums ``(batch, q_heads, n)`` of a causal prompt over its own
-    entries, from the flash kernel's output and log-sum-exp; None where this route does not apply (see the module)."""
+    entries, from the flash kernel's output and log-sum-exp; None where this route does not apply (see the module).
+    ``faster_sums(query, keys, logsumexp, scaling)``, tried first for the sums, may return None for the PyTorch blocks
+    (the CPU's C pass with bfloat16 dot products, :mod:`kvsieve.native.column_sums`, which this layer does not
+    import)."""
     form = as_form(form)
     batch, q_heads, q_len, _ = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
@@ -55,7 +61,10 @@ def flash_attention_and_column_sums(
         return None
     if logsumexp.shape != (batch, q_heads, q_len) or logsumexp.dtype != torch.float32:
         return None
-    return output.transpose(1, 2).contiguous(), _column_sums(query, keys, logsumexp, form.scaling)
+    sums = None if faster_sums is None else faster_sums(query, keys, logsumexp, form.scaling)
+    if sums is None:
+        sums = _column_sums(query, keys, logsumexp, form.scaling)
+    return output.transpose(1, 2).contiguous(), sums
 
 
 def _column_sums(query: torch.Tensor, keys: torch.Tensor, logsumexp: torch.Tensor, scaling: float) -> torch.Tensor:

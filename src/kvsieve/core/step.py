@@ -28,6 +28,7 @@ from kvsieve.attention.kernel import (
 from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.native import decoding_rows
+from kvsieve.native.column_sums import causal_column_sums
 
 #: Statistic names a scorer may declare in ``Scorer.needs``.
 WINDOW_ROWS = "window_rows"  #: softmax rows of the last ``w`` queries
@@ -290,11 +291,12 @@ class LayerStep:
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16/float16
         causal prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its
         log-sum-exp instead (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast
-        exponential, ~1e-5 relative)."""
+        exponential, ~1e-5 relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
+        (:mod:`kvsieve.native.column_sums`, AVX512-BF16)."""
         self._require(COLUMN_SUMS)  # refused before any work
         flash = flash_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
                                                 self.form if self.form is not None else self.scaling,
-                                                self.query_valid, self.bias())
+                                                self.query_valid, self.bias(), causal_column_sums)
         if flash is None:
             return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
         self._memo["colsum"] = flash[1]

@@ -1,0 +1,236 @@
+/* A causal bfloat16 prompt's column sums from the flash kernel's log-sum-exp (kvsieve_causal_column_sums), with the
+ * CPU's bfloat16 dot products (AVX512-BF16).
+ *
+ * kvsieve.native.build builds this file on first use; kvsieve.native.column_sums calls it through ctypes for
+ * kvsieve.attention.flash_statistics, whose PyTorch path is the reference. For query head h of batch item b over its
+ * KV head's keys (h / groups) it computes H2O's and EMS's statistic (Zhang et al. 2023, arXiv:2306.14048, Sec. 3.2;
+ * Li et al. 2024, arXiv:2412.08521, Sec. 3.3: attention accumulated over every query of the prompt)
+ *
+ *   out[b, h, j] = sum over t >= j of exp(scaling * (q[b, h, t] . k[b, h / groups, j]) - lse[b, h, t])
+ *
+ * where lse[b, h, t] is the query's log-sum-exp the flash kernel returned with its output, so no softmax is taken
+ * again. The dot products multiply bfloat16 pairs exactly into float32 sums (vdpbf16ps): the float32 products of
+ * the PyTorch path, summed in another order; exp is Cephes' polynomial (~1 ulp; 0 below -87.3). Within float32
+ * rounding of the PyTorch path.
+ *
+ * Work: sixteen keys at a time, one per vector lane, each lane summing its key's column over the queries at or after
+ * it (the keys packed once per block as bfloat16 pairs; four queries at a time, for four independent dot chains).
+ * The blocks of every (batch item, query head) are shared among torch's OpenMP threads, largest first (a block's
+ * queries are the ones after it). Without AVX512-BF16 in the build (-march=native on a CPU without it) the function
+ * returns -1 and the caller keeps PyTorch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVSIEVE_BF16_DOT 1
+#else
+#define KVSIEVE_BF16_DOT 0
+#endif
+#if KVSIEVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVSIEVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a feature's register state (asm/prctl.h) */
+#define XFEATURE_XTILEDATA 18      /* the AMX tiles' data */
+#else
+#define KVSIEVE_AMX 0
+#endif
+
+#define KVSIEVE_ABI 1
+#define KEYS 16        /* keys per block: the vector's lanes */
+#define MOST_PAIRS 128 /* head size up to 256 */
+#define QUERIES 4      /* queries per dot-product round */
+
+int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
+
+/* Whether the build has the bfloat16 dot products (the column sums run). */
+int kvsieve_bf16_dot(void) { return KVSIEVE_BF16_DOT; }
+
+#if KVSIEVE_BF16_DOT
+static inline __m512 exp16(__m512 x) {
+    const __m512 low = _mm512_set1_ps(-87.3f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, low);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(scale));
+}
+
+static inline __m512i pair(const uint16_t *row, int64_t p) {
+    uint32_t bits;
+    memcpy(&bits, row + 2 * p, 4);
+    return _mm512_set1_epi32((int)bits);
+}
+
+/* The lanes (keys j0 + l, l < count) that query t sees: j0 + l <= t. */
+static inline __mmask16 seen_by(int64_t t, int64_t j0, __mmask16 present) {
+    const int64_t last = t - j0; /* the last lane at or before t */
+    return last >= KEYS - 1 ? present : (__mmask16)(present & ((1u << (last + 1)) - 1u));
+}
+
+/* One block: the column sums of keys j0 ... j0 + count - 1 of one (batch item, query head) over the queries first ...
+ * n - 1 (j0 and on: every query that sees one of them), written to out[0 ... count - 1]. */
+static void block_sums(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row, const float *lse,
+                       float scaling, int64_t first, int64_t j0, int64_t count, int64_t n, float *out) {
+    const __mmask16 present = (__mmask16)(count >= KEYS ? 0xFFFFu : ((1u << count) - 1u));
+    const __m512 scale = _mm512_set1_ps(scaling);
+    __m512 total = _mm512_setzero_ps();
+    int64_t t = first;
+    for (; t + QUERIES <= n; t += QUERIES) {
+        const uint16_t *q0 = query + t * q_row, *q1 = q0 + q_row, *q2 = q1 + q_row, *q3 = q2 + q_row;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t p = 0; p < pairs; ++p) {
+            const __m512bh k = (__m512bh)_mm512_load_si512((const void *)(packed + p * KEYS));
+            a0 = _mm512_dpbf16_ps(a0, k, (__m512bh)pair(q0, p));
+            a1 = _mm512_dpbf16_ps(a1, k, (__m512bh)pair(q1, p));
+            a2 = _mm512_dpbf16_ps(a2, k, (__m512bh)pair(q2, p));
+            a3 = _mm512_dpbf16_ps(a3, k, (__m512bh)pair(q3, p));
+        }
+        const __m512 acc[QUERIES] = {a0, a1, a2, a3};
+        for (int i = 0; i < QUERIES; ++i) {
+            const __m512 logit = _mm512_fmsub_ps(acc[i], scale, _mm512_set1_ps(lse[t + i]));
+            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp16(logit));
+        }
+    }
+    for (; t < n; ++t) {
+        const uint16_t *q0 = query + t * q_row;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_load_si512((const void *)(packed + p * KEYS)),
+                                  (__m512bh)pair(q0, p));
+        const __m512 logit = _mm512_fmsub_ps(a0, scale, _mm512_set1_ps(lse[t]));
+        total = _mm512_mask_add_ps(total, seen_by(t, j0, present), total, exp16(logit));
+    }
+    _mm512_mask_storeu_ps(out, present, total);
+}
+#endif
+
+#if KVSIEVE_AMX
+/* The tiles' shape: tile 0 the float32 logits of 16 queries x 16 keys, tile 1 16 queries x 32 dimensions, tile 2 16
+ * dimension pairs x 16 keys (the packed keys' layout: AMX's pair layout of its second operand). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileShape;
+
+/* Whether this process may use the tiles (Linux grants their register state on request; torch's oneDNN asks too). */
+static int tiles_granted(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+static void shape_tiles(void) {
+    TileShape shape;
+    memset(&shape, 0, sizeof shape);
+    shape.palette = 1;
+    for (int tile = 0; tile < 3; ++tile) {
+        shape.bytes_per_row[tile] = 64;
+        shape.rows[tile] = 16;
+    }
+    _tile_loadconfig(&shape);
+}
+
+/* block_sums with the products on the tiles, sixteen queries at a time (dim a multiple of 32); the last queries that
+ * do not fill a tile take block_sums's vector loop. */
+static void block_sums_tiles(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row,
+                             const float *lse, float scaling, int64_t j0, int64_t count, int64_t n, float *out) {
+    const __mmask16 present = (__mmask16)(count >= KEYS ? 0xFFFFu : ((1u << count) - 1u));
+    const __m512 scale = _mm512_set1_ps(scaling);
+    float logits[16 * KEYS] __attribute__((aligned(64)));
+    __m512 total = _mm512_setzero_ps();
+    int64_t t = j0;
+    for (; t + 16 <= n; t += 16) {
+        _tile_zero(0);
+        for (int64_t chunk = 0; chunk < pairs / 16; ++chunk) {
+            _tile_loadd(1, query + t * q_row + chunk * 32, q_row * 2);
+            _tile_loadd(2, packed + chunk * 16 * KEYS, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, logits, 64);
+        for (int i = 0; i < 16; ++i) {
+            const __m512 logit = _mm512_fmsub_ps(_mm512_load_ps(logits + i * KEYS), scale, _mm512_set1_ps(lse[t + i]));
+            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp16(logit));
+        }
+    }
+    if (t < n) { /* the rest: the vector loop's sums, added to these */
+        float rest[KEYS] __attribute__((aligned(64))) = {0};
+        block_sums(packed, pairs, query, q_row, lse, scaling, t, j0, count, n, rest);
+        total = _mm512_add_ps(total, _mm512_maskz_load_ps(present, rest));
+    }
+    _mm512_mask_storeu_ps(out, present, total);
+}
+#endif
+
+/* query: bfloat16 (batch, kv_heads * groups, n, dim) with strides in elements (unit stride over dim); keys: bfloat16
+ * (batch, kv_heads, n, dim) likewise; lse: float32 (batch, kv_heads * groups, n), contiguous; out: float32 like lse,
+ * written. Returns 0, or -1 (no AVX512-BF16 in the build, or sizes it does not take: nothing written). */
+int kvsieve_causal_column_sums(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t n,
+                               const uint16_t *query, int64_t q_batch, int64_t q_head, int64_t q_row,
+                               const uint16_t *keys, int64_t k_batch, int64_t k_head, int64_t k_row, const float *lse,
+                               float scaling, float *out) {
+#if KVSIEVE_BF16_DOT
+    if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 2 || dim % 2 || dim > 2 * MOST_PAIRS || n < 1)
+        return -1;
+    const int64_t pairs = dim / 2, q_heads = kv_heads * groups, blocks = (n + KEYS - 1) / KEYS;
+    const int64_t rows = batch * q_heads, units = rows * blocks;
+#if KVSIEVE_AMX
+    const int tiles = dim % 32 == 0 && tiles_granted();
+#endif
+#pragma omp parallel if (n >= 256)
+    {
+#if KVSIEVE_AMX
+    if (tiles)
+        shape_tiles(); /* each thread's own tile shape */
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t block = u / rows, row = u % rows; /* block-major: the longest blocks first */
+        const int64_t b = row / q_heads, h = row % q_heads, j0 = block * KEYS;
+        const int64_t count = n - j0 < KEYS ? n - j0 : KEYS;
+        uint32_t packed[MOST_PAIRS * KEYS] __attribute__((aligned(64)));
+        const uint16_t *key_rows = keys + b * k_batch + (h / groups) * k_head + j0 * k_row;
+        for (int64_t l = 0; l < KEYS; ++l)
+            for (int64_t p = 0; p < pairs; ++p) {
+                uint32_t bits = 0;
+                if (l < count)
+                    memcpy(&bits, key_rows + l * k_row + 2 * p, 4);
+                packed[p * KEYS + l] = bits;
+            }
+        const uint16_t *rows_of_head = query + b * q_batch + h * q_head;
+#if KVSIEVE_AMX
+        if (tiles) {
+            block_sums_tiles(packed, pairs, rows_of_head, q_row, lse + row * n, scaling, j0, count, n,
+                             out + row * n + j0);
+            continue;
+        }
+#endif
+        block_sums(packed, pairs, rows_of_head, q_row, lse + row * n, scaling, j0, j0, count, n, out + row * n + j0);
+    }
+#if KVSIEVE_AMX
+    if (tiles)
+        _tile_release();
+#endif
+    }
+    return 0;
+#else
+    (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
+    (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)lse, (void)scaling, (void)out;
+    return -1;
+#endif
+}
