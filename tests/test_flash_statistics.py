@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model
-from helpers import all_kept_positions, prompt
+from conftest import ALL_ARCHS, EAGER_ARCHS, build_model
+from helpers import all_kept_positions, managed_layers, prompt
 
 import kvsieve
 from kvsieve.attention import flash_statistics
 from kvsieve.attention.flash_statistics import flash_attention_and_column_sums
 from kvsieve.attention.kernel import AttentionForm, Visibility, column_sums
+from kvsieve.engine.engine import Engine
 from kvsieve.native import column_sums as column_sums_native
 from kvsieve.native.column_sums import causal_column_sums
 from kvsieve.transformers_adapter import cache_kwargs
@@ -112,5 +113,35 @@ def test_fused_bf16_prefill_keeps_the_unfused_logits_and_entries(arch, monkeypat
         cache.flush()
         runs.append((logits, [positions.tolist() for *_, positions in all_kept_positions(cache)]))
     assert taken and all(taken)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ALL_ARCHS if arch not in EAGER_ARCHS])
+@pytest.mark.parametrize("policy", ["h2o", "ems"])
+def test_default_bf16_prefill_takes_the_route_with_the_same_logits(arch, policy, monkeypatch):
+    """Without ``fuse_statistics`` a bfloat16 prompt that evicts on column sums takes this route too, since its output
+    is SDPA's: the prompt's logits equal, bit for bit, those with the route off (SDPA, then the softmax pass for the
+    sums), on every architecture SDPA serves, and the same entries are kept."""
+    model = build_model(arch).to(torch.bfloat16)
+    ids = prompt(2, 90, seed=5)
+    runs, taken = [], []
+    original = Engine._flash_statistics
+
+    def spy(self, call, step):
+        result = original(self, call, step)
+        taken.append(result is not None)
+        return result
+
+    for route in (True, False):
+        monkeypatch.setattr(Engine, "_flash_statistics", spy if route else (lambda self, call, step: None))
+        params = {"window": 8} if policy == "ems" else {}
+        cache = kvsieve.KVCache(model, policy, budget=24, **params)
+        with torch.inference_mode():
+            logits = model(ids, **cache_kwargs(model, cache)).logits
+        cache.flush()
+        runs.append((logits, [positions.tolist() for *_, positions in all_kept_positions(cache)]))
+        if route:  # every full-attention layer took it (a sliding-window layer's prompt is not causal over all)
+            assert taken.count(True) == len(managed_layers(cache)) >= 1
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]

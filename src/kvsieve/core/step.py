@@ -294,11 +294,21 @@ class LayerStep:
         exponential, ~1e-5 relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
         (:mod:`kvsieve.native.column_sums`, AVX512-BF16)."""
         self._require(COLUMN_SUMS)  # refused before any work
+        output = self.flash_output_with_column_sums()
+        if output is None:
+            return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
+        return output
+
+    def flash_output_with_column_sums(self) -> torch.Tensor | None:
+        """:meth:`output_with_column_sums` where it is the flash kernel's output — SDPA's own on the CPU, bit for bit —
+        with the sums from its log-sum-exp (memoised); None elsewhere (nothing computed): a bfloat16/float16 causal
+        first prompt on the CPU, no padding, no sliding window, no soft-capping, sinks or bias."""
+        self._require(COLUMN_SUMS)
         flash = flash_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
                                                 self.form if self.form is not None else self.scaling,
                                                 self.query_valid, self.bias(), causal_column_sums)
         if flash is None:
-            return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
+            return None
         self._memo["colsum"] = flash[1]
         return flash[0]
 

@@ -392,6 +392,8 @@ class Engine:
         step = self._append(call)
         if self._fuses_statistics(call, step):
             output = step.output_with_column_sums()
+        elif first and (flash := self._flash_statistics(call, step)) is not None:
+            output = flash
         elif (fused_rows := self._fused_decoding_rows(call, step)) is not None:
             output = step.decoding_output_from_row()
             # rows that do not compact now keep SDPA, as they would alone (every row fuses: nothing to check)
@@ -422,7 +424,23 @@ class Engine:
         PyTorch pass (H200, h2o prefill at 4k: 0.26 s unfused, 0.29 s fused;
         ``benchmarks/results/statistics_prefill_cuda_*.json``).
         """
-        if not self.policy.fuse_statistics or COLUMN_SUMS not in self._needs or call.layer.left_alone:
+        return self.policy.fuse_statistics and self._evicts_on_column_sums(call, step)
+
+    def _flash_statistics(self, call: LayerCall, step: LayerStep) -> torch.Tensor | None:
+        """A first prompt's output and column sums from the flash kernel and its log-sum-exp, by default (no
+        ``fuse_statistics`` needed): the output is SDPA's own on the CPU, bit for bit, so the prompt's logits are
+        those of the unfused prefill (tested on every architecture) and only the sums' rounding differs (the
+        kernel's fast exponential, ~1e-5 relative; :mod:`kvsieve.attention.flash_statistics`). Where the layer can
+        evict now, as :meth:`_fuses_statistics`; None where the route does not apply (float32, padding, a sliding
+        window, soft-capping or sinks, a GPU...): the prompt takes SDPA, and the sums their own pass."""
+        if not self._evicts_on_column_sums(call, step):
+            return None
+        return step.flash_output_with_column_sums()
+
+    def _evicts_on_column_sums(self, call: LayerCall, step: LayerStep) -> bool:
+        """A managed layer whose scorer needs column sums, on more than one query, over the held entries as they are,
+        on the CPU, and able to evict now (more entries than its budget, or a ratio)."""
+        if COLUMN_SUMS not in self._needs or call.layer.left_alone:
             return False
         if step.q_len == 1 or not self._plain_action or step.query.device.type != "cpu":
             return False
