@@ -10,8 +10,9 @@
  *
  * where lse[b, h, t] is the query's log-sum-exp the flash kernel returned with its output, so no softmax is taken
  * again. The dot products multiply bfloat16 pairs exactly into float32 sums (vdpbf16ps): the float32 products of
- * the PyTorch path, summed in another order; exp is Cephes' polynomial (~1 ulp; 0 below -87.3). Within float32
- * rounding of the PyTorch path.
+ * the PyTorch path, summed in another order; the exponential is taken in base 2 (the scaling and log2(e) folded
+ * into one multiply-subtract) as 2^n * 2^f with a degree-6 polynomial for 2^f. Within float32 rounding of the PyTorch
+ * path.
  *
  * Work: sixteen keys at a time, one per vector lane, each lane summing its key's column over the queries at or after
  * it (the keys packed once per block as bfloat16 pairs; four queries at a time, for four independent dot chains).
@@ -43,6 +44,7 @@
 #define KEYS 16        /* keys per block: the vector's lanes */
 #define MOST_PAIRS 128 /* head size up to 256 */
 #define QUERIES 4      /* queries per dot-product round */
+#define LOG2E 1.44269504088896341f
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
@@ -50,23 +52,20 @@ int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 int kvsieve_bf16_dot(void) { return KVSIEVE_BF16_DOT; }
 
 #if KVSIEVE_BF16_DOT
-static inline __m512 exp16(__m512 x) {
-    const __m512 low = _mm512_set1_ps(-87.3f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, low);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(scale));
+/* 2^x for x = the logit in base 2 (scaled by log2(e) with the scaling folded in): 2^n by the exponent (scalef) times
+ * 2^f, |f| <= 1/2, from its Taylor polynomial of degree 6 (relative error <= 1.2e-7, float32's own order); 0 where
+ * 2^x underflows. */
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 static inline __m512i pair(const uint16_t *row, int64_t p) {
@@ -86,7 +85,7 @@ static inline __mmask16 seen_by(int64_t t, int64_t j0, __mmask16 present) {
 static void block_sums(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row, const float *lse,
                        float scaling, int64_t first, int64_t j0, int64_t count, int64_t n, float *out) {
     const __mmask16 present = (__mmask16)(count >= KEYS ? 0xFFFFu : ((1u << count) - 1u));
-    const __m512 scale = _mm512_set1_ps(scaling);
+    const __m512 scale = _mm512_set1_ps(scaling * LOG2E); /* logits in base 2 */
     __m512 total = _mm512_setzero_ps();
     int64_t t = first;
     for (; t + QUERIES <= n; t += QUERIES) {
@@ -101,8 +100,8 @@ static void block_sums(const uint32_t *packed, int64_t pairs, const uint16_t *qu
         }
         const __m512 acc[QUERIES] = {a0, a1, a2, a3};
         for (int i = 0; i < QUERIES; ++i) {
-            const __m512 logit = _mm512_fmsub_ps(acc[i], scale, _mm512_set1_ps(lse[t + i]));
-            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp16(logit));
+            const __m512 logit = _mm512_fmsub_ps(acc[i], scale, _mm512_set1_ps(lse[t + i] * LOG2E));
+            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp2_16(logit));
         }
     }
     for (; t < n; ++t) {
@@ -111,8 +110,8 @@ static void block_sums(const uint32_t *packed, int64_t pairs, const uint16_t *qu
         for (int64_t p = 0; p < pairs; ++p)
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_load_si512((const void *)(packed + p * KEYS)),
                                   (__m512bh)pair(q0, p));
-        const __m512 logit = _mm512_fmsub_ps(a0, scale, _mm512_set1_ps(lse[t]));
-        total = _mm512_mask_add_ps(total, seen_by(t, j0, present), total, exp16(logit));
+        const __m512 logit = _mm512_fmsub_ps(a0, scale, _mm512_set1_ps(lse[t] * LOG2E));
+        total = _mm512_mask_add_ps(total, seen_by(t, j0, present), total, exp2_16(logit));
     }
     _mm512_mask_storeu_ps(out, present, total);
 }
@@ -151,7 +150,7 @@ static void shape_tiles(void) {
 static void block_sums_tiles(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row,
                              const float *lse, float scaling, int64_t j0, int64_t count, int64_t n, float *out) {
     const __mmask16 present = (__mmask16)(count >= KEYS ? 0xFFFFu : ((1u << count) - 1u));
-    const __m512 scale = _mm512_set1_ps(scaling);
+    const __m512 scale = _mm512_set1_ps(scaling * LOG2E); /* logits in base 2 */
     float logits[16 * KEYS] __attribute__((aligned(64)));
     __m512 total = _mm512_setzero_ps();
     int64_t t = j0;
@@ -164,8 +163,9 @@ static void block_sums_tiles(const uint32_t *packed, int64_t pairs, const uint16
         }
         _tile_stored(0, logits, 64);
         for (int i = 0; i < 16; ++i) {
-            const __m512 logit = _mm512_fmsub_ps(_mm512_load_ps(logits + i * KEYS), scale, _mm512_set1_ps(lse[t + i]));
-            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp16(logit));
+            const __m512 logit = _mm512_fmsub_ps(_mm512_load_ps(logits + i * KEYS), scale,
+                                                 _mm512_set1_ps(lse[t + i] * LOG2E));
+            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp2_16(logit));
         }
     }
     if (t < n) { /* the rest: the vector loop's sums, added to these */
