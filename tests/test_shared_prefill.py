@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import left_pad, prompt
@@ -112,3 +114,44 @@ def test_failed_forward_resets_every_cache(model):
     for cache in caches:
         assert cache.get_seq_length() == 0
         assert all(layer.store is None and not layer.followers for layer in cache.layers)
+
+
+def test_bf16_prompt_followers_take_their_own_prefills_sums(model, monkeypatch):
+    """A bfloat16 prompt on the CPU takes the flash kernel's route for the column sums (its output is SDPA's) in
+    every cache that needs them, lead or follower, whatever its budget or action: a follower keeps what its own
+    prefill keeps, with the same side data (H2O's and EMS's sums), and decodes the same."""
+    from kvsieve.engine.engine import Engine
+
+    taken: list[bool] = []
+    original = Engine._flash_statistics
+
+    def spy(self, call, step):
+        result = original(self, call, step)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(Engine, "_flash_statistics", spy)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the session's model stays float32
+    specs = [("snapkv", {"budget": 8, "window": 4}), ("h2o", {"budget": 6}), ("ems", {"budget": 12, "window": 4}),
+             ("ems_pos", {"budget": 12, "window": 4}), ("h2o_caote", {"budget": 8}),
+             ("h2o", {"budget": 64, "schedule": "decode"})]  # the last holds the whole prompt: nothing evicted
+    ids = prompt(length=40, seed=6)
+    shared = [kvsieve.KVCache(bf16, name, **params) for name, params in specs]
+    with torch.inference_mode():
+        out = prefill_shared(bf16, ids, shared)
+        assert taken and any(taken)
+        for (name, params), cache in zip(specs, shared, strict=True):
+            alone = kvsieve.KVCache(bf16, name, **params)
+            own = bf16(input_ids=ids, **cache_kwargs(bf16, alone), use_cache=True)
+            assert torch.equal(out.logits, own.logits), name
+            _assert_same_state(cache, alone)
+            for la, lb in zip(cache.layers, alone.layers, strict=True):
+                side_a, side_b = la.store.dense().extras, lb.store.dense().extras
+                assert side_a.keys() == side_b.keys()
+                assert all(torch.equal(side_a[key], side_b[key]) for key in side_a), name
+            nxt = own.logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                la = bf16(input_ids=nxt, **cache_kwargs(bf16, cache), use_cache=True).logits
+                lb = bf16(input_ids=nxt, **cache_kwargs(bf16, alone), use_cache=True).logits
+                assert torch.equal(la, lb), name
+                nxt = la[:, -1:].argmax(-1)

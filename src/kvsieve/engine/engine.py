@@ -380,6 +380,8 @@ class Engine:
         step = self._append(call)
         if memo is not None:
             step._memo = memo
+        if "colsum" not in step._memo:  # the sums of this cache's own prefill: the flash route's where it applies
+            self._flash_statistics(call, step)
         self._after_output(call, step)
         step.store.release_views()
 
@@ -430,10 +432,13 @@ class Engine:
         """A first prompt's output and column sums from the flash kernel and its log-sum-exp, by default (no
         ``fuse_statistics`` needed): the output is SDPA's own on the CPU, bit for bit, so the prompt's logits are
         those of the unfused prefill (tested on every architecture) and only the sums' rounding differs (the
-        kernel's fast exponential, ~1e-5 relative; :mod:`kvsieve.attention.flash_statistics`). Where the layer can
-        evict now, as :meth:`_fuses_statistics`; None where the route does not apply (float32, padding, a sliding
-        window, soft-capping or sinks, a GPU...): the prompt takes SDPA, and the sums their own pass."""
-        if not self._evicts_on_column_sums(call, step):
+        kernel's fast exponential, ~1e-5 relative; :mod:`kvsieve.attention.flash_statistics`). For every managed
+        layer whose scorer needs column sums, whatever its budget and action: the route depends only on the prompt,
+        so a shared prefill's followers take the same sums as their own prefills (:meth:`observe_only`). None where
+        it does not apply (float32, padding, a sliding window, soft-capping or sinks, a GPU...): the prompt takes
+        SDPA, and the sums their own pass."""
+        if COLUMN_SUMS not in self._needs or call.layer.left_alone or step.q_len == 1 \
+                or step.query.device.type != "cpu":
             return None
         return step.flash_output_with_column_sums()
 
