@@ -55,13 +55,7 @@ def _pytorch_path(store: LayerStore, rows: torch.Tensor, candidates: int) -> tor
     """The engine's general route: observation (``add_dense`` of the group mean), ``_drop_one``'s minimum with its
     uniqueness check, ``drop_one``. Returns the dropped indices, or None for a tie (the sums added, nothing moved)."""
     store.add_dense(ACC, reduce_groups(rows[:, :, 0], store.heads, "mean"))
-    scores = store.dense().extras[ACC][..., :candidates]
-    lowest, dropped = scores.min(dim=-1)
-    if not torch.equal((scores == lowest[..., None]).sum(dim=-1), torch.ones_like(dropped)):
-        return None
-    with store.reserving(1):
-        store.drop_one(dropped.reshape(-1))
-    return dropped.reshape(-1)
+    return _pytorch_scored(store, store.dense().extras[ACC], candidates)
 
 
 @given(batch=st.integers(1, 3), heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 4]),

@@ -48,6 +48,17 @@ def _assert_same_state(a: kvsieve.KVCache, b: kvsieve.KVCache) -> None:
                 assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def _assert_same_decoding(model: torch.nn.Module, cache: kvsieve.KVCache, alone: kvsieve.KVCache,
+                          logits: torch.Tensor, name: str, steps: int = 3) -> None:
+    """Both caches continue identically: greedy steps from the prompt's ``logits`` give equal logits."""
+    nxt = logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        la = model(input_ids=nxt, **cache_kwargs(model, cache), use_cache=True).logits
+        lb = model(input_ids=nxt, **cache_kwargs(model, alone), use_cache=True).logits
+        assert torch.equal(la, lb), name
+        nxt = la[:, -1:].argmax(-1)
+
+
 def test_every_cache_matches_its_own_prefill_and_decodes_the_same(model):
     ids = prompt(length=40, seed=5)
     shared = _caches(model)
@@ -57,13 +68,7 @@ def test_every_cache_matches_its_own_prefill_and_decodes_the_same(model):
         own = model(input_ids=ids, **cache_kwargs(model, alone), use_cache=True)
         assert torch.equal(out.logits, own.logits), name
         _assert_same_state(cache, alone)
-        # Both continue identically (policies that act at decoding included).
-        nxt = own.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            la = model(input_ids=nxt, **cache_kwargs(model, cache), use_cache=True).logits
-            lb = model(input_ids=nxt, **cache_kwargs(model, alone), use_cache=True).logits
-            assert torch.equal(la, lb), name
-            nxt = la[:, -1:].argmax(-1)
+        _assert_same_decoding(model, cache, alone, own.logits, name)  # policies that act at decoding included
     # Nothing is left linking the caches.
     assert all(not layer.followers for cache in shared for layer in cache.layers)
 
@@ -149,9 +154,4 @@ def test_bf16_prompt_followers_take_their_own_prefills_sums(model, monkeypatch):
                 side_a, side_b = la.store.dense().extras, lb.store.dense().extras
                 assert side_a.keys() == side_b.keys()
                 assert all(torch.equal(side_a[key], side_b[key]) for key in side_a), name
-            nxt = own.logits[:, -1:].argmax(-1)
-            for _ in range(3):
-                la = bf16(input_ids=nxt, **cache_kwargs(bf16, cache), use_cache=True).logits
-                lb = bf16(input_ids=nxt, **cache_kwargs(bf16, alone), use_cache=True).logits
-                assert torch.equal(la, lb), name
-                nxt = la[:, -1:].argmax(-1)
+            _assert_same_decoding(bf16, cache, alone, own.logits, name)
