@@ -93,12 +93,15 @@ class Engine:
         #: ... or whose scorer only defers side data computed from a decoding step's layer inputs (the retention
         #: gates, :meth:`Scorer.decoding_updates`) under an evicting action: a decoding step that plans nothing
         #: appends, defers and attends (:meth:`_plain_decoding_step`); one that plans takes the general step.
+        #: No selector, GQA expansion, expanded centres or hooks, and no side data but the scorer's: a decoding step
+        #: may skip describing itself (:meth:`_plain_decoding_step`, :meth:`_evicting_step`).
+        plain_parts = (
+            scorer is not None and policy.selector is None and not policy.expand_gqa and self._plain_action
+            and not policy.hooks() and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
+        )
         self._defers_plainly = (
-            not self._decodes_plainly and scorer is not None
-            and type(scorer).decoding_updates is not Scorer.decoding_updates
-            and policy.selector is None and not policy.expand_gqa and self._plain_action
-            and not policy.action.quantizes and not policy.hooks()
-            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
+            not self._decodes_plainly and plain_parts and scorer is not None
+            and type(scorer).decoding_updates is not Scorer.decoding_updates and not policy.action.quantizes
         )
         #: Side data a plain decoding step may leave to the store's append (no decoding step reads or updates it), or
         #: hand to the store deferred (:attr:`_defers_plainly`).
@@ -112,10 +115,7 @@ class Engine:
         #: side data it accumulates (H2O's) or "" (scores from the query's row alone: TOVA's); None where none does.
         in_place = self._plans.accumulator() or ("" if self._plans.scores_from_row() else None)
         self._in_place = in_place if (
-            in_place is not None and scorer is not None and not self._global and policy.selector is None
-            and not policy.expand_gqa and self._plain_action and type(policy.action).apply is Action.apply
-            and not policy.hooks()
-            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
+            plain_parts and not self._global and type(policy.action).apply is Action.apply
         ) else None
         self._deferral = Deferral(policy)
         self._warning = NoopWarning(policy, self.managed)
@@ -315,12 +315,13 @@ class Engine:
         keys, values = store.held_views()
         fused = decoding_rows.attend(query, form.scaling, keys, values, None, None)
         dropped = None if fused is None else self._drop_lowest(store, fused[1], candidates)
-        call = LayerCall(layer, module, query, new_keys, new_values, None, form, None, layer.take_layer_inputs())
         if dropped:
             assert fused is not None
+            layer.take_layer_inputs()  # none is read: dropped, as the general step's call would drop it
             layer.forwards += 1
             self._deferral.compactions += 1
             return fused[0]
+        call = LayerCall(layer, module, query, new_keys, new_values, None, form, None, layer.take_layer_inputs())
         step = self._describe(call, seen, None)
         if fused is None:  # the general step from its output on
             output = step.decoding_output_from_row()
