@@ -40,7 +40,7 @@ def _case(batch: int, kv_heads: int, groups: int, n: int, dim: int, seed: int, s
 
 
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.sampled_from([1, 2, 3, 4]),
-       n=st.integers(1, 70), dim=st.sampled_from([2, 8, 30, 64, 128, 256]), strided=st.booleans(),
+       n=st.integers(1, 300), dim=st.sampled_from([2, 8, 30, 64, 96, 128, 256]), strided=st.booleans(),
        seed=st.integers(0, 2**16))
 @settings(max_examples=50, deadline=None, derandomize=True)
 def test_sums_match_a_float64_reference(batch, kv_heads, groups, n, dim, strided, seed):
@@ -51,9 +51,11 @@ def test_sums_match_a_float64_reference(batch, kv_heads, groups, n, dim, strided
     torch.testing.assert_close(sums.double(), reference, rtol=2e-5, atol=1e-7)
 
 
-def test_long_prompt_in_parallel_blocks():
-    """A prompt past the parallel threshold (256 entries), its last block partly filled."""
-    query, keys, logsumexp, scaling, reference = _case(1, 3, 3, 300, 64, 7, True)
+@pytest.mark.parametrize(("n", "dim"), [(300, 64), (1000, 64), (777, 128), (200, 256), (150, 96)])
+def test_long_prompt_in_parallel_blocks(n, dim):
+    """Prompts past the parallel threshold (256 entries) and over several spans of the tiles (128 keys), the last
+    span and block partly filled; head sizes of one to eight chunks of 32."""
+    query, keys, logsumexp, scaling, reference = _case(1, 3, 3, n, dim, 7, True)
     torch.testing.assert_close(causal_column_sums(query, keys, logsumexp, scaling).double(), reference,
                                rtol=2e-5, atol=1e-7)
 

@@ -15,10 +15,12 @@
  * path.
  *
  * Work: sixteen keys at a time, one per vector lane, each lane summing its key's column over the queries at or after
- * it (the keys packed once per block as bfloat16 pairs; four queries at a time, for four independent dot chains).
- * The blocks of every (batch item, query head) are shared among torch's OpenMP threads, largest first (a block's
- * queries are the ones after it). Without AVX512-BF16 in the build (-march=native on a CPU without it) the function
- * returns -1 and the caller keeps PyTorch.
+ * it (the keys packed once per unit as bfloat16 pairs). With AMX tiles a unit is a span of 128 keys and the products
+ * come sixteen queries x 64 keys at a time, the tiles computing one round while the vector units take the previous
+ * round's exponentials; without them a unit is one block of 16 keys, four queries at a time for four independent dot
+ * chains. The units of every (batch item, query head) are shared among torch's OpenMP threads, largest first (a
+ * unit's queries are the ones after it). Without AVX512-BF16 in the build (-march=native on a CPU without it) the
+ * function returns -1 and the caller keeps PyTorch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +46,9 @@
 #define KEYS 16        /* keys per block: the vector's lanes */
 #define MOST_PAIRS 128 /* head size up to 256 */
 #define QUERIES 4      /* queries per dot-product round */
+#define SPAN 128       /* keys per unit of work on the tiles */
+#define SPAN_BLOCKS (SPAN / KEYS)
+#define GROUP_BLOCKS 4 /* the blocks of keys one round of the tiles takes */
 #define LOG2E 1.44269504088896341f
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
@@ -77,6 +82,8 @@ static inline __m512i pair(const uint16_t *row, int64_t p) {
 /* The lanes (keys j0 + l, l < count) that query t sees: j0 + l <= t. */
 static inline __mmask16 seen_by(int64_t t, int64_t j0, __mmask16 present) {
     const int64_t last = t - j0; /* the last lane at or before t */
+    if (last < 0)
+        return 0;
     return last >= KEYS - 1 ? present : (__mmask16)(present & ((1u << (last + 1)) - 1u));
 }
 
@@ -118,8 +125,9 @@ static void block_sums(const uint32_t *packed, int64_t pairs, const uint16_t *qu
 #endif
 
 #if KVSIEVE_AMX
-/* The tiles' shape: tile 0 the float32 logits of 16 queries x 16 keys, tile 1 16 queries x 32 dimensions, tile 2 16
- * dimension pairs x 16 keys (the packed keys' layout: AMX's pair layout of its second operand). */
+/* The tiles' shape: seven tiles of 16 rows x 64 bytes (tiles 0 ... 3 the float32 logits of 16 queries x 16 keys, tile
+ * 4 16 queries x 32 dimensions, tiles 5 and 6 16 dimension pairs x 16 keys: the packed keys' layout, AMX's pair
+ * layout of its second operand). */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t bytes_per_row[16];
@@ -138,42 +146,94 @@ static void shape_tiles(void) {
     TileShape shape;
     memset(&shape, 0, sizeof shape);
     shape.palette = 1;
-    for (int tile = 0; tile < 3; ++tile) {
+    for (int tile = 0; tile < 7; ++tile) {
         shape.bytes_per_row[tile] = 64;
         shape.rows[tile] = 16;
     }
     _tile_loadconfig(&shape);
 }
 
-/* block_sums with the products on the tiles, sixteen queries at a time (dim a multiple of 32); the last queries that
- * do not fill a tile take block_sums's vector loop. */
-static void block_sums_tiles(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row,
-                             const float *lse, float scaling, int64_t j0, int64_t count, int64_t n, float *out) {
-    const __mmask16 present = (__mmask16)(count >= KEYS ? 0xFFFFu : ((1u << count) - 1u));
+/* One round of the tiles: the float32 logits of 16 queries (t ... t + 15) against the GROUP_BLOCKS blocks of keys
+ * packed one after another from packed, block b in tile b; tile 4 the queries' chunk of 16 dimension pairs, tiles 5
+ * and 6 the blocks' chunks in turn. */
+static inline void span_products(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row,
+                                 int64_t t) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t block = pairs * KEYS; /* one block's packed pairs */
+    for (int64_t chunk = 0; chunk < pairs / 16; ++chunk) {
+        const uint32_t *k = packed + chunk * 16 * KEYS;
+        _tile_loadd(4, query + t * q_row + chunk * 32, q_row * 2);
+        _tile_loadd(5, k, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, k + block, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, k + 2 * block, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, k + 3 * block, 64);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+}
+
+/* block_sums for the keys j0 ... j0 + count - 1 of a span (count <= SPAN, their packed pairs one block after another)
+ * with the products on the tiles (dim a multiple of 32): rounds of 16 queries x GROUP_BLOCKS blocks, the next round's
+ * products running on the tiles while this round's exponentials run on the vector units (its logits stored first, two
+ * buffers in turn). A span of eight blocks reads each query tile once from memory for its two rounds: the queries'
+ * traffic, not the tiles' products, bounds this pass. The last queries that do not fill a tile take block_sums's
+ * vector loop, block by block. */
+static void span_sums_tiles(const uint32_t *packed, int64_t pairs, const uint16_t *query, int64_t q_row,
+                            const float *lse, float scaling, int64_t j0, int64_t count, int64_t n, float *out) {
     const __m512 scale = _mm512_set1_ps(scaling * LOG2E); /* logits in base 2 */
-    float logits[16 * KEYS] __attribute__((aligned(64)));
-    __m512 total = _mm512_setzero_ps();
-    int64_t t = j0;
-    for (; t + 16 <= n; t += 16) {
-        _tile_zero(0);
-        for (int64_t chunk = 0; chunk < pairs / 16; ++chunk) {
-            _tile_loadd(1, query + t * q_row + chunk * 32, q_row * 2);
-            _tile_loadd(2, packed + chunk * 16 * KEYS, 64);
-            _tile_dpbf16ps(0, 1, 2);
+    const __m512 log2e = _mm512_set1_ps(LOG2E);
+    float logits[2][16 * GROUP_BLOCKS * KEYS] __attribute__((aligned(64)));
+    __m512 total[SPAN_BLOCKS];
+    __mmask16 present[SPAN_BLOCKS];
+    for (int b = 0; b < SPAN_BLOCKS; ++b) {
+        const int64_t in_block = count - b * KEYS;
+        total[b] = _mm512_setzero_ps();
+        present[b] = (__mmask16)(in_block >= KEYS ? 0xFFFFu : in_block <= 0 ? 0u : ((1u << in_block) - 1u));
+    }
+    const int64_t tiles = (n - j0) / 16; /* the query tiles that fill */
+    const int64_t halves = SPAN_BLOCKS / GROUP_BLOCKS, rounds = tiles * halves;
+    for (int64_t g = 0; g <= rounds; ++g) {
+        if (g < rounds)
+            span_products(packed + (g % halves) * GROUP_BLOCKS * pairs * KEYS, pairs, query, q_row,
+                          j0 + 16 * (g / halves));
+        if (g > 0) { /* the previous round: its exponentials while the tiles work */
+            const float *rows = logits[(g - 1) & 1];
+            const int64_t t0 = j0 + 16 * ((g - 1) / halves), first = ((g - 1) % halves) * GROUP_BLOCKS;
+            for (int r = 0; r < 16; ++r) {
+                const __m512 shift = _mm512_mul_ps(_mm512_set1_ps(lse[t0 + r]), log2e);
+                for (int b = 0; b < GROUP_BLOCKS; ++b) {
+                    const __m512 logit = _mm512_fmsub_ps(_mm512_load_ps(rows + (b * 16 + r) * KEYS), scale, shift);
+                    total[first + b] = _mm512_mask_add_ps(total[first + b],
+                                                          seen_by(t0 + r, j0 + (first + b) * KEYS, present[first + b]),
+                                                          total[first + b], exp2_16(logit));
+                }
+            }
         }
-        _tile_stored(0, logits, 64);
-        for (int i = 0; i < 16; ++i) {
-            const __m512 logit = _mm512_fmsub_ps(_mm512_load_ps(logits + i * KEYS), scale,
-                                                 _mm512_set1_ps(lse[t + i] * LOG2E));
-            total = _mm512_mask_add_ps(total, seen_by(t + i, j0, present), total, exp2_16(logit));
+        if (g < rounds) {
+            float *rows = logits[g & 1];
+            _tile_stored(0, rows, 64);
+            _tile_stored(1, rows + 16 * KEYS, 64);
+            _tile_stored(2, rows + 32 * KEYS, 64);
+            _tile_stored(3, rows + 48 * KEYS, 64);
         }
     }
-    if (t < n) { /* the rest: the vector loop's sums, added to these */
-        float rest[KEYS] __attribute__((aligned(64))) = {0};
-        block_sums(packed, pairs, query, q_row, lse, scaling, t, j0, count, n, rest);
-        total = _mm512_add_ps(total, _mm512_maskz_load_ps(present, rest));
+    const int64_t t = j0 + 16 * tiles;
+    for (int b = 0; b < SPAN_BLOCKS; ++b) {
+        if (!present[b])
+            continue;
+        if (t < n) { /* the rest: the vector loop's sums, added to these */
+            float rest[KEYS] __attribute__((aligned(64))) = {0};
+            block_sums(packed + b * pairs * KEYS, pairs, query, q_row, lse, scaling, t, j0 + b * KEYS,
+                       count - b * KEYS >= KEYS ? KEYS : count - b * KEYS, n, rest);
+            total[b] = _mm512_add_ps(total[b], _mm512_maskz_load_ps(present[b], rest));
+        }
+        _mm512_mask_storeu_ps(out + b * KEYS, present[b], total[b]);
     }
-    _mm512_mask_storeu_ps(out, present, total);
 }
 #endif
 
@@ -187,11 +247,14 @@ int kvsieve_causal_column_sums(int64_t batch, int64_t kv_heads, int64_t groups, 
 #if KVSIEVE_BF16_DOT
     if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 2 || dim % 2 || dim > 2 * MOST_PAIRS || n < 1)
         return -1;
-    const int64_t pairs = dim / 2, q_heads = kv_heads * groups, blocks = (n + KEYS - 1) / KEYS;
-    const int64_t rows = batch * q_heads, units = rows * blocks;
+    const int64_t pairs = dim / 2, q_heads = kv_heads * groups, rows = batch * q_heads;
 #if KVSIEVE_AMX
     const int tiles = dim % 32 == 0 && tiles_granted();
+#else
+    const int tiles = 0;
 #endif
+    const int64_t width = tiles ? SPAN : KEYS; /* keys per unit of work */
+    const int64_t blocks = (n + width - 1) / width, units = rows * blocks;
 #pragma omp parallel if (n >= 256)
     {
 #if KVSIEVE_AMX
@@ -201,22 +264,22 @@ int kvsieve_causal_column_sums(int64_t batch, int64_t kv_heads, int64_t groups, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
         const int64_t block = u / rows, row = u % rows; /* block-major: the longest blocks first */
-        const int64_t b = row / q_heads, h = row % q_heads, j0 = block * KEYS;
-        const int64_t count = n - j0 < KEYS ? n - j0 : KEYS;
-        uint32_t packed[MOST_PAIRS * KEYS] __attribute__((aligned(64)));
+        const int64_t b = row / q_heads, h = row % q_heads, j0 = block * width;
+        const int64_t count = n - j0 < width ? n - j0 : width;
+        uint32_t packed[SPAN_BLOCKS * pairs * KEYS] __attribute__((aligned(64))); /* the unit's keys, block by block */
         const uint16_t *key_rows = keys + b * k_batch + (h / groups) * k_head + j0 * k_row;
-        for (int64_t l = 0; l < KEYS; ++l)
+        for (int64_t l = 0; l < width; ++l)
             for (int64_t p = 0; p < pairs; ++p) {
                 uint32_t bits = 0;
                 if (l < count)
                     memcpy(&bits, key_rows + l * k_row + 2 * p, 4);
-                packed[p * KEYS + l] = bits;
+                packed[(l / KEYS) * pairs * KEYS + p * KEYS + l % KEYS] = bits;
             }
         const uint16_t *rows_of_head = query + b * q_batch + h * q_head;
 #if KVSIEVE_AMX
         if (tiles) {
-            block_sums_tiles(packed, pairs, rows_of_head, q_row, lse + row * n, scaling, j0, count, n,
-                             out + row * n + j0);
+            span_sums_tiles(packed, pairs, rows_of_head, q_row, lse + row * n, scaling, j0, count, n,
+                            out + row * n + j0);
             continue;
         }
 #endif
