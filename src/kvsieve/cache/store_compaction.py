@@ -15,6 +15,7 @@ from kvsieve.cache.length_groups import call_cost, compact_step_cost, partitions
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
 from kvsieve.native.evict_lowest import accumulate_and_evict, evict_lowest
+from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin, merge_lowest
 
 #: The most padding a padded layout or strided runs may hold, as a share of the held entries
 #: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
@@ -238,6 +239,28 @@ class StoreCompaction(StoreLayout):
         positions = self.positions if scores.shape[1] == 1 and self.heads > 1 else None
         return self._dropped_in_place(evict_lowest(scores, self.heads, self._uniform[1], candidates,
                                                    self._buffers(), positions))
+
+    def merge_lowest(self, rows: torch.Tensor, sides: tuple[str, str, str, str], counts: str, candidates: int,
+                     reserve: int, ems: GlobalLocalStep, rotary: RotaryCosSin) -> bool | None:
+        """EMS's decoding step in place (:mod:`kvsieve.native.merge_lowest`): observe ``rows`` into the Global-Local
+        score's side data ``sides`` (s_glo, s_loc's past and current parts, the current part's row count), then
+        give up each segment's lowest-scoring entry among its first ``candidates`` — merged into its most redundant
+        centre (key, value and side data ``counts`` rewritten) or evicted — and drop it, every buffer moved by one
+        row in place, under :meth:`drop_lowest`'s conditions. True: done. False: a decision within the pass's margin
+        (the side data observed, nothing else changed): the caller plans on the general path without observing
+        again. None: not taken, nothing changed."""
+        if not self._drops_in_place(reserve) or any(name not in self._extras for name in (*sides, counts)):
+            return None
+        assert self._uniform is not None
+        result = merge_lowest(rows, self.heads, [self._extras[name] for name in sides], self._extras[counts],
+                              self._uniform[1], candidates, ems, self.keys, self.values, self.positions, rotary,
+                              self._buffers())
+        if result is None or result is False:
+            return result
+        dropped, target = result
+        if bool((target >= 0).any()):
+            self.written_sides.add(counts)  # every attention path now adds log(count) (LayerStep.bias)
+        return self._dropped_in_place(dropped)
 
     def _drops_in_place(self, reserve: int) -> bool:
         """A uniform store without hooks or deferred side data whose buffers have :meth:`drop_one`'s capacity after

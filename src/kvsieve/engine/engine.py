@@ -36,6 +36,7 @@ from kvsieve.core.step import (
     COLUMN_MAXIMA,
     COLUMN_SUMS,
     LAYER_INPUTS,
+    MERGE_COUNT,
     WINDOW_ROWS,
     AppendedUpdate,
     DeferredUpdate,
@@ -47,6 +48,7 @@ from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
 from kvsieve.engine.layer_call import LayerCall, LayerState
 from kvsieve.engine.layer_plans import LayerPlans
+from kvsieve.engine.merge_in_place import MergeInPlace, decoding_bias
 from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
@@ -116,6 +118,13 @@ class Engine:
         in_place = self._plans.accumulator() or ("" if self._plans.scores_from_row() else None)
         self._in_place = in_place if (
             plain_parts and not self._global and type(policy.action).apply is Action.apply
+        ) else None
+        #: ... or EMS's evict-then-merge at every decoding step (:mod:`kvsieve.engine.merge_in_place`): the same
+        #: parts but for the action's merge counts.
+        self._merge = MergeInPlace(policy) if (
+            scorer is not None and MergeInPlace.applies(policy) and self._plans.uniform_budget and not self._global
+            and policy.selector is None and not policy.expand_gqa and self._plain_action and not policy.hooks()
+            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()} | {MERGE_COUNT}
         ) else None
         self._deferral = Deferral(policy)
         self._warning = NoopWarning(policy, self.managed)
@@ -208,7 +217,8 @@ class Engine:
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
                 f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
             )
-        if q_len == 1 and self._in_place is not None and sliding_window is None and not form.explicit:
+        if q_len == 1 and (self._in_place is not None or self._merge is not None) and sliding_window is None \
+                and not form.explicit:
             output = self._evicting_step(layer, module, query, new_keys, new_values, attention_mask, form)
             if output is not None:
                 return output
@@ -292,11 +302,13 @@ class Engine:
         new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm,
     ) -> torch.Tensor | None:
         """A decoding step of every-step eviction that drops one entry per head by an accumulated score or the
-        query's row alone (``h2o``, ``tova`` with ``schedule="decode"``), on the CPU: append in place, the output and
-        the float32 rows from one pass (:mod:`kvsieve.native.decoding_rows`, as
-        :meth:`LayerStep.decoding_output_from_row`), then the observation, the plan and the drop in one more, in place
-        (:meth:`_drop_lowest`) — what :meth:`_step` computes for it, bit for bit (tested), without describing the step
-        or building the plan (issue 22: about twenty small PyTorch operations per layer were a fifth of the step).
+        query's row alone (``h2o``, ``tova`` with ``schedule="decode"``), or merges or evicts it (``ems``), on the
+        CPU: append in place, the output and the float32 rows from one pass (:mod:`kvsieve.native.decoding_rows`, as
+        :meth:`LayerStep.decoding_output_from_row`, with EMS's ``log(count)`` bias), then the observation, the plan
+        and the drop in one more, in place (:meth:`_drop_lowest`) — what :meth:`_step` computes for it, bit for bit
+        for h2o and tova (EMS: within float32 rounding, the same decisions; :mod:`kvsieve.engine.merge_in_place`;
+        tested), without describing the step or building the plan (issue 22: about twenty small PyTorch operations
+        per layer were a fifth of the step, ~300 for EMS).
         None (the general step runs, nothing changed) unless the uniform store holds exactly its budget, keeps no
         hooks and the new token is real in every row; where a pass declines after the append (a tie among the lowest
         scores, TOVA's heads not aligned), the general step's remainder finishes the step from where it stands."""
@@ -313,8 +325,10 @@ class Engine:
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         keys, values = store.held_views()
-        fused = decoding_rows.attend(query, form.scaling, keys, values, None, None)
-        dropped = None if fused is None else self._drop_lowest(store, fused[1], candidates)
+        bias = decoding_bias(store) if self._merge is not None else None
+        fused = decoding_rows.attend(query, form.scaling, keys, values, None, bias)
+        dropped = None if fused is None else self._drop_lowest(store, fused[1], candidates, module, layer.layer_idx,
+                                                               seen)
         if dropped:
             assert fused is not None
             layer.take_layer_inputs()  # none is read: dropped, as the general step's call would drop it
@@ -335,11 +349,16 @@ class Engine:
         store.release_views()
         return output
 
-    def _drop_lowest(self, store: LayerStore, rows: torch.Tensor, candidates: int) -> bool | None:
-        """:meth:`_evicting_step`'s pass over the step's softmax ``rows``: H2O's accumulated sums, or the scores the
-        scorer takes from the rows alone (TOVA's); returns as
-        :meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest` does."""
+    def _drop_lowest(self, store: LayerStore, rows: torch.Tensor, candidates: int, module: torch.nn.Module,
+                     layer_idx: int, newest: int) -> bool | None:
+        """:meth:`_evicting_step`'s pass over the step's softmax ``rows``: H2O's accumulated sums, the scores the
+        scorer takes from the rows alone (TOVA's), or EMS's evict-then-merge (the new entry at position ``newest``);
+        returns as :meth:`~kvsieve.cache.store_compaction.StoreCompaction.drop_lowest` does."""
         reserve = self.policy.schedule.decoding_reserve()
+        if self._merge is not None:
+            budget = self._plans.layer_budget(layer_idx)
+            assert budget is not None
+            return self._merge.drop(store, rows, candidates, reserve, budget, module.config, layer_idx, newest)
         if self._in_place:
             return store.drop_lowest(rows, self._in_place, candidates, reserve)
         assert self.policy.scorer is not None

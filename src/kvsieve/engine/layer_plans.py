@@ -34,8 +34,10 @@ class LayerPlans:
         #: :meth:`_drop_one`'s nominal budgets, offsets and host counts per (layout, budget, protection, device)
         self._drop_tables: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
         #: whether a plan that drops one entry per head is what allocate → Action.plan gives (see :meth:`_drop_one`)
-        self._drops_one = (policy.budget is not None and allocator.allocate is Allocator.allocate
-                           and allocator.nominal is Allocator.nominal and action.plan is Action.plan)
+        #: One budget per head of a layer, the allocator's defaults (no per-head or global arithmetic).
+        self.uniform_budget = (policy.budget is not None and allocator.allocate is Allocator.allocate
+                               and allocator.nominal is Allocator.nominal)
+        self._drops_one = self.uniform_budget and action.plan is Action.plan
 
     def layer_budget(self, layer_idx: int) -> int | None:
         """The layer's budget (entries per head) under the allocator; None without a fixed budget."""

@@ -1,0 +1,386 @@
+/* EMS's every-step decoding compaction in place (kvsieve_merge_lowest): the Global-Local score's observation, the
+ * score, the one entry each head gives up, its merge into the most redundant class centre (or its eviction) and the
+ * drop, in one call over a uniform store's buffers.
+ *
+ * kvsieve.native.build builds this file on first use; kvsieve.native.merge_lowest calls it through ctypes for
+ * kvsieve.cache.store_compaction.StoreCompaction.merge_lowest. The reference is the engine's general decoding step
+ * under EMS (Li et al. 2024, arXiv:2412.08521; kvsieve.parts.scorers.global_local and
+ * kvsieve.parts.actions.evict_merge, which cite the equations), at a step where every head holds one entry over its
+ * budget B (schedule="decode"):
+ *
+ *   observation  s_glo += the group mean of the query's softmax rows; s_loc's current part takes it too, and once it
+ *                holds `window` rows it becomes the past part and restarts (Sec. 3.3) — each update added as the
+ *                general step adds it (new - old, then old + that): these side data are the general step's bit for
+ *                bit;
+ *   score        Eq. 2, s = max(s_glo * sum(s_loc) / sum(s_glo), s_loc), the newest `window` entries zeroed, then
+ *                a zero-padded mean pool of `kernel` entries; the newest `candidates`.. entries are protected;
+ *   plan         the lowest score among the candidates is the one to-be-merged entry i (Sec. 4.2; with gamma = 1
+ *                it is evicted); the other candidates are the class centres;
+ *   redundancy   R_c = cos(k_i, k_c) * cos(v_i, v_c) on raw keys (un-rotated at their positions with the rotary
+ *                table's cos and sin; Sec. 4.1), clamped to [-1, 1]; i merges into argmax_c R_c when that exceeds
+ *                tau, else it is evicted (the zero class);
+ *   merge        weights w = max(score, 1e-12): key = normalize(w_c k_c/|k_c| + w_i k_i/|k_i|) *
+ *                (w_c|k_c| + w_i|k_i|) / (w_c + w_i) in raw space, re-rotated at the centre's position; value =
+ *                (w_c v_c + w_i v_i) / (w_c + w_i); count = n_c + n_i (kvsieve.parts.actions.merge.merge_kept); a
+ *                merge whose weight is below the float resolution (w_c + w_i == w_c) keeps the centre's bits;
+ *   drop         every buffer's rows after i move down by one (evict.c's drop).
+ *
+ * The score's two sums, the pooling, the norms and the dot products are summed here in double, not in torch's float32
+ * order, so the scores and the merged rows are the general step's within float32 rounding, not bit for bit. The decisions
+ * are kept equal: where the lowest two scores, the best two redundancies or the best one and tau lie within a margin
+ * far above that rounding (NEAR), the call returns 1 after the observation with nothing moved, and the general step
+ * plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KVSIEVE_ABI 1
+#define MOST_DIM 256
+#define MIN_WEIGHT 1e-12f /* evict_merge.MIN_WEIGHT and merge.EPS */
+#define LANES 16       /* the redundancy's partial sums */
+#define NEAR 1e-4f        /* relative margin of a decision (float32 rounding of these sums: ~1e-6) */
+
+int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
+
+enum { KIND_FLOAT32 = 0, KIND_BFLOAT16 = 1 };
+
+static inline float load(const void *base, int kind, int64_t index) {
+    if (kind == KIND_FLOAT32)
+        return ((const float *)base)[index];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[index] << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* float32 to the store's dtype: bfloat16 rounded to nearest even (torch's conversion), NaN kept quiet. */
+static inline void store(void *base, int kind, int64_t index, float x) {
+    if (kind == KIND_FLOAT32) {
+        ((float *)base)[index] = x;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    uint16_t out;
+    if (isnan(x))
+        out = (uint16_t)((bits >> 16) | 0x40u);
+    else
+        out = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    ((uint16_t *)base)[index] = out;
+}
+
+typedef struct {
+    const float *cos, *sin; /* (rows, half): the rotary table's cos and sin of each position, unscaled */
+    int64_t half, rows;
+    float scaling, unrotate_factor; /* the attention factor the model multiplies them by, and 1 / that */
+} Rotary;
+
+/* A stored (rotated) key at `position` -> its raw key (float32): x1 = y1 c + y2 s, x2 = y2 c - y1 s with c, s the
+ * table's times 1/scaling (rope.unrotate); the dims past the rotary ones as stored. */
+static void unrotate(const void *keys, int kind, int64_t row, int64_t dim, int64_t position, const Rotary *rope,
+                     float *raw) {
+    const float factor = rope->unrotate_factor;
+    const float *cos = rope->cos + position * rope->half, *sin = rope->sin + position * rope->half;
+    for (int64_t f = 0; f < rope->half; ++f) {
+        float c = cos[f], s = sin[f];
+        if (factor != 1.0f)
+            c *= factor, s *= factor;
+        const float y1 = load(keys, kind, row * dim + f), y2 = load(keys, kind, row * dim + rope->half + f);
+        raw[f] = y1 * c + y2 * s;
+        raw[rope->half + f] = y2 * c - y1 * s;
+    }
+    for (int64_t e = 2 * rope->half; e < dim; ++e)
+        raw[e] = load(keys, kind, row * dim + e);
+}
+
+static float norm(const float *x, int64_t dim) {
+    double sum = 0.0;
+    for (int64_t e = 0; e < dim; ++e)
+        sum += (double)x[e] * x[e];
+    return (float)sqrt(sum);
+}
+
+/* x / max(|x|, 1e-12) in place. */
+static void unit(float *x, int64_t dim) {
+    float n = norm(x, dim);
+    if (n < MIN_WEIGHT)
+        n = MIN_WEIGHT;
+    for (int64_t e = 0; e < dim; ++e)
+        x[e] /= n;
+}
+
+/* R = cos(raw k_c, raw k_i) * cos(v_c, v_i) of centre row `row` against the to-be-merged entry's unit raw key and
+ * unit value: one pass over the key (un-rotated on the fly, its dot product and squared norm summed together) and one
+ * over the value, in float32 (the decisions' margin is far above its rounding). */
+static float redundancy(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
+                        const Rotary *rope, const float *unit_key, const float *unit_value) {
+    const float factor = rope->unrotate_factor;
+    const float *cos = rope->cos + position * rope->half, *sin = rope->sin + position * rope->half;
+    const int64_t half = rope->half;
+    float key_dot[LANES] = {0}, key_sq[LANES] = {0}, value_dot[LANES] = {0}, value_sq[LANES] = {0};
+    int64_t f = 0;
+    for (; f + LANES <= half; f += LANES) /* LANES independent sums: vector code without reassociation */
+        for (int l = 0; l < LANES; ++l) {
+            float c = cos[f + l], s = sin[f + l];
+            if (factor != 1.0f)
+                c *= factor, s *= factor;
+            const float y1 = load(keys, kind, row * dim + f + l), y2 = load(keys, kind, row * dim + half + f + l);
+            const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
+            key_dot[l] += x1 * unit_key[f + l] + x2 * unit_key[half + f + l];
+            key_sq[l] += x1 * x1 + x2 * x2;
+        }
+    for (; f < half; ++f) {
+        float c = cos[f], s = sin[f];
+        if (factor != 1.0f)
+            c *= factor, s *= factor;
+        const float y1 = load(keys, kind, row * dim + f), y2 = load(keys, kind, row * dim + half + f);
+        const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
+        key_dot[0] += x1 * unit_key[f] + x2 * unit_key[half + f];
+        key_sq[0] += x1 * x1 + x2 * x2;
+    }
+    for (int64_t e = 2 * half; e < dim; ++e) {
+        const float x = load(keys, kind, row * dim + e);
+        key_dot[0] += x * unit_key[e];
+        key_sq[0] += x * x;
+    }
+    int64_t e = 0;
+    for (; e + LANES <= dim; e += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const float v = load(values, kind, row * dim + e + l);
+            value_dot[l] += v * unit_value[e + l];
+            value_sq[l] += v * v;
+        }
+    for (; e < dim; ++e) {
+        const float v = load(values, kind, row * dim + e);
+        value_dot[0] += v * unit_value[e];
+        value_sq[0] += v * v;
+    }
+    for (int l = 1; l < LANES; ++l) {
+        key_dot[0] += key_dot[l], key_sq[0] += key_sq[l];
+        value_dot[0] += value_dot[l], value_sq[0] += value_sq[l];
+    }
+    float key_norm = sqrtf(key_sq[0]), value_norm = sqrtf(value_sq[0]);
+    key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
+    value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
+    return (key_dot[0] / key_norm) * (value_dot[0] / value_norm);
+}
+
+typedef struct {
+    int64_t window, kernel, candidates;
+    int use_global, merges;
+    float tau;
+} Ems;
+
+/* The observation of one segment's `length` entries (side data: capacity-row buffers at this segment's rows). */
+static void observe(const float *rows, int64_t groups, int64_t length, float *glo, float *past, float *cur,
+                    float *held_rows, int64_t window) {
+    float held = 0.0f; /* rows held by s_loc's current part: the same on every entry (0 on the new one) */
+    for (int64_t j = 0; j < length; ++j)
+        if (held_rows[j] > held)
+            held = held_rows[j];
+    held += 1.0f;
+    const int swap = held >= (float)window;
+    for (int64_t j = 0; j < length; ++j) {
+        float mean = rows[j];
+        for (int64_t g = 1; g < groups; ++g)
+            mean += rows[g * length + j];
+        mean = mean / (float)groups;
+        glo[j] = glo[j] + mean;
+        const float new_cur = cur[j] + mean;
+        const float next_past = swap ? new_cur : past[j], next_cur = swap ? 0.0f : new_cur;
+        const float next_rows = swap ? 0.0f : held;
+        past[j] = past[j] + (next_past - past[j]);
+        cur[j] = cur[j] + (next_cur - cur[j]);
+        held_rows[j] = held_rows[j] + (next_rows - held_rows[j]);
+    }
+}
+
+/* Eq. 2, the window zeroed and the mean pool: pooled[0 .. length - 1]; plain[] is scratch of the same size. */
+static void scores(const float *glo, const float *past, const float *cur, int64_t length, const Ems *ems,
+                   float *plain, float *pooled) {
+    double sum_loc = 0.0, sum_glo = 0.0; /* in double: within one rounding of the exact sums, as torch's are close */
+    for (int64_t j = 0; j < length; ++j) {
+        plain[j] = past[j] + cur[j];
+        sum_loc += plain[j];
+        sum_glo += glo[j];
+    }
+    float ratio = (float)sum_loc / (float)sum_glo;
+    if (!isfinite(ratio))
+        ratio = 0.0f;
+    for (int64_t j = 0; j < length; ++j) {
+        if (j >= length - ems->window)
+            plain[j] = 0.0f;
+        else if (ems->use_global) {
+            const float scaled = glo[j] * ratio;
+            plain[j] = scaled > plain[j] ? scaled : plain[j];
+        }
+    }
+    const int64_t pad = ems->kernel / 2;
+    for (int64_t j = 0; j < length; ++j) {
+        double sum = 0.0;
+        for (int64_t m = j - pad; m <= j + pad; ++m)
+            if (m >= 0 && m < length)
+                sum += plain[m];
+        pooled[j] = (float)sum / (float)ems->kernel;
+    }
+}
+
+static inline int near(float a, float b) {
+    const float scale = fabsf(a) > fabsf(b) ? fabsf(a) : fabsf(b);
+    return fabsf(a - b) <= NEAR * scale;
+}
+
+/* Entry row_i merged into the centre row_c with weights w_c, w_i (merge.merge_kept with one source): the centre's
+ * key, value and count rewritten in place. */
+static void merge(void *keys, void *values, float *counts, int kind, int64_t dim, const int64_t *positions,
+                  const Rotary *rope, int64_t row_c, int64_t row_i, float w_c, float w_i) {
+    float raw_c[MOST_DIM], raw_i[MOST_DIM], sum[MOST_DIM];
+    unrotate(keys, kind, row_c, dim, positions[row_c], rope, raw_c);
+    unrotate(keys, kind, row_i, dim, positions[row_i], rope, raw_i);
+    const float norm_c = norm(raw_c, dim), norm_i = norm(raw_i, dim);
+    const float div_c = norm_c > MIN_WEIGHT ? norm_c : MIN_WEIGHT, div_i = norm_i > MIN_WEIGHT ? norm_i : MIN_WEIGHT;
+    for (int64_t e = 0; e < dim; ++e)
+        sum[e] = w_c * raw_c[e] / div_c + w_i * raw_i[e] / div_i;
+    const float norm_sum = w_c * norm_c + w_i * norm_i, weight_sum = w_c + w_i;
+    counts[row_c] = counts[row_c] + counts[row_i];
+    if (weight_sum == w_c)
+        return; /* the merged weight is below the float resolution: the centre's bits stay */
+    const float total = weight_sum > MIN_WEIGHT ? weight_sum : MIN_WEIGHT;
+    float direction = norm(sum, dim);
+    if (direction < MIN_WEIGHT)
+        direction = MIN_WEIGHT;
+    const float scale = norm_sum / total;
+    for (int64_t e = 0; e < dim; ++e)
+        sum[e] = sum[e] / direction * scale;
+    /* re-rotated at the centre's position: y1 = x1 c - x2 s, y2 = x2 c + x1 s, c and s times the scaling */
+    const int64_t p = positions[row_c], half = rope->half;
+    for (int64_t f = 0; f < half; ++f) {
+        float c = rope->cos[p * half + f], sn = rope->sin[p * half + f];
+        if (rope->scaling != 1.0f)
+            c *= rope->scaling, sn *= rope->scaling;
+        const float x1 = sum[f], x2 = sum[half + f];
+        store(keys, kind, row_c * dim + f, x1 * c + (-x2) * sn);
+        store(keys, kind, row_c * dim + half + f, x2 * c + x1 * sn);
+    }
+    for (int64_t e = 2 * half; e < dim; ++e)
+        store(keys, kind, row_c * dim + e, sum[e]);
+    for (int64_t e = 0; e < dim; ++e) {
+        const float v = (w_c * load(values, kind, row_c * dim + e) + w_i * load(values, kind, row_i * dim + e)) / total;
+        store(values, kind, row_c * dim + e, v);
+    }
+}
+
+/* rows: (batch, kv_heads * groups, length) float32, contiguous. glo, past, cur, held_rows, counts: float32 side data,
+ * entry j of segment s at row s * capacity + j. keys, values: (rows, dim) of `kind`; positions: int64 per row.
+ * cos, sin: (table_rows, half) float32, the rotary table's of each position (half 0: no rotary dims); scaling its
+ * attention factor (rotate multiplies by it), unrotate_factor 1 / scaling (unrotate multiplies by that).
+ * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats.
+ * dropped, target: (batch * kv_heads) int64, written (target -1: evicted); weights: 2 * batch * kv_heads floats
+ * (each merge's w_i, w_c), written. Returns 0 (done), 1 (a decision within
+ * the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
+int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_t length, int64_t capacity,
+                         const float *rows, float *glo, float *past, float *cur, float *held_rows, float *counts,
+                         int64_t window, int64_t kernel, int64_t candidates, int use_global, int merges, float tau,
+                         void *keys, void *values, int kind, int64_t dim, const int64_t *positions,
+                         const float *cos, const float *sin, int64_t half, int64_t table_rows, float scaling,
+                         float unrotate_factor, int n_buffers, char *const *buffers, const int64_t *row_bytes,
+                         float *scratch, int64_t *dropped, int64_t *target, float *weights) {
+    if (batch < 1 || kv_heads < 1 || groups < 1 || length < 2 || capacity < length || candidates < 1
+        || candidates > length || window < 0 || kernel < 1 || kernel % 2 == 0 || dim < 1 || dim > MOST_DIM
+        || half < 0 || 2 * half > dim || (kind != KIND_FLOAT32 && kind != KIND_BFLOAT16) || n_buffers < 0
+        || !(scaling > 0.0f) || !(unrotate_factor > 0.0f))
+        return -1;
+    const int64_t segments = batch * kv_heads;
+    for (int64_t s = 0; s < segments; ++s)
+        for (int64_t j = 0; j < length; ++j) {
+            const int64_t p = positions[s * capacity + j];
+            if (half > 0 && (p < 0 || p >= table_rows))
+                return -1;
+        }
+    const Rotary rope = {cos, sin, half, table_rows, scaling, unrotate_factor};
+    const Ems ems = {window, kernel, candidates, use_global, merges, tau};
+    float *plain = scratch, *pooled = scratch + length;
+    float raw_i[MOST_DIM], unit_vi[MOST_DIM];
+    int decided = 1;
+    for (int64_t s = 0; s < segments; ++s) {
+        const int64_t base = s * capacity;
+        observe(rows + s * groups * length, groups, length, glo + base, past + base, cur + base, held_rows + base,
+                window);
+        if (!decided)
+            continue; /* every segment observes; none moves */
+        scores(glo + base, past + base, cur + base, length, &ems, plain, pooled);
+        int64_t at = 0;
+        float lowest = pooled[0], second = INFINITY;
+        for (int64_t j = 0; j < candidates; ++j) {
+            if (isnan(pooled[j])) {
+                decided = 0;
+                break;
+            }
+            if (j == 0)
+                continue;
+            if (pooled[j] < lowest) {
+                second = lowest;
+                lowest = pooled[j];
+                at = j;
+            } else if (pooled[j] < second)
+                second = pooled[j];
+        }
+        if (!decided || (candidates > 1 && near(lowest, second))) {
+            decided = 0;
+            continue;
+        }
+        dropped[s] = at;
+        target[s] = -1;
+        if (!merges || candidates < 2)
+            continue;
+        /* the to-be-merged entry's raw unit key and unit value, against every centre's */
+        unrotate(keys, kind, base + at, dim, positions[base + at], &rope, raw_i);
+        unit(raw_i, dim);
+        for (int64_t e = 0; e < dim; ++e)
+            unit_vi[e] = load(values, kind, (base + at) * dim + e);
+        unit(unit_vi, dim);
+        float best = -INFINITY, runner = -INFINITY;
+        int64_t best_at = -1;
+        for (int64_t c = 0; c < candidates; ++c) {
+            if (c == at)
+                continue;
+            float r = redundancy(keys, values, kind, base + c, dim, positions[base + c], &rope, raw_i, unit_vi);
+            r = r < -1.0f ? -1.0f : r > 1.0f ? 1.0f : r;
+            if (isnan(r)) {
+                decided = 0;
+                break;
+            }
+            if (r > best) {
+                runner = best;
+                best = r;
+                best_at = c;
+            } else if (r > runner)
+                runner = r;
+        }
+        if (!decided || fabsf(best - tau) <= NEAR || (best > tau && best - runner <= NEAR)) {
+            decided = 0;
+            continue;
+        }
+        if (best > tau) {
+            target[s] = best_at;
+            weights[2 * s] = pooled[at] > MIN_WEIGHT ? pooled[at] : MIN_WEIGHT;
+            weights[2 * s + 1] = pooled[best_at] > MIN_WEIGHT ? pooled[best_at] : MIN_WEIGHT;
+        }
+    }
+    if (!decided)
+        return 1;
+    for (int64_t s = 0; s < segments; ++s) {
+        if (target[s] >= 0)
+            merge(keys, values, counts, kind, dim, positions, &rope, s * capacity + target[s],
+                  s * capacity + dropped[s], weights[2 * s + 1], weights[2 * s]);
+        const int64_t j = dropped[s], moved = length - 1 - j;
+        if (moved <= 0)
+            continue;
+        for (int b = 0; b < n_buffers; ++b) {
+            char *row = buffers[b] + (s * capacity + j) * row_bytes[b];
+            memmove(row, row + row_bytes[b], (size_t)(moved * row_bytes[b]));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,128 @@
+"""EMS's every-step decoding compaction in place, on the CPU (``merge.c``: ``kvsieve_merge_lowest``).
+
+Under ``ems`` with ``schedule="decode"`` every decoding step of a layer observes the query's attention row into the
+Global-Local score's side data, scores, picks each head's to-be-merged entry, finds its most redundant class centre on
+raw keys, merges or evicts it and drops it: in PyTorch some three hundred small operations per layer and step (2.6× a
+``snapkv`` step). This pass does it in one ``ctypes`` call, in place, for
+:meth:`~kvsieve.cache.store_compaction.StoreCompaction.merge_lowest`. Its side data updates are the general step's
+bit for bit; its scores and merged rows are within float32 rounding of them (``merge.c`` says why), and its decisions
+are the general step's: where one lies within a margin far above that rounding it returns False after observing, and
+the general step plans.
+
+:func:`merge_lowest` returns None, with nothing changed, for anything it does not take (off the CPU, a dtype other
+than float32 or bfloat16, a buffer that is not contiguous rows, more than 16 query heads per KV head, a position past
+the rotary table, no built library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.native import build
+from kvsieve.native.build import F32, I32, I64, PTR
+from kvsieve.native.evict_lowest import MOST_GROUPS
+
+#: The argument types of ``kvsieve_merge_lowest`` (``merge.c``).
+ARGUMENTS = (I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I32, I32, F32, PTR, PTR, I32,
+             I64, PTR, PTR, PTR, I64, I64, F32, F32, I32, PTR, PTR, PTR, PTR, PTR, PTR)
+#: What the C function returns: done, a decision within its margin (observed, nothing else changed).
+DONE, UNDECIDED = 0, 1
+KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class GlobalLocalStep:
+    """EMS's parameters for the pass: the Global-Local score's ``window`` and pooling ``kernel`` and ``use_global``
+    (:class:`~kvsieve.parts.scorers.global_local.GlobalLocal`), whether the plan merges (``⌊(γ − 1)·B⌋ ≥ 1``) and
+    ``tau`` (:class:`~kvsieve.parts.actions.evict_merge.EvictThenMerge`)."""
+
+    window: int
+    kernel: int
+    use_global: bool
+    merges: bool
+    tau: float
+
+
+@dataclass(frozen=True)
+class RotaryCosSin:
+    """A layer's rotary ``cos`` and ``sin`` ``(positions, rotary_dim / 2)`` float32 (unscaled), its attention factor
+    ``scaling``; ``half`` 0 for a layer without rotary dims."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    scaling: float
+
+    @property
+    def unrotate_factor(self) -> float:
+        """``1 / scaling`` as :func:`~kvsieve.ops.rope.unrotate` multiplies by it (a Python float, taken to float32
+        by the product)."""
+        return 1.0 / self.scaling
+
+    @property
+    def half(self) -> int:
+        return self.cos.shape[1]
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return build.function("merge", "kvsieve_merge_lowest", ARGUMENTS)
+
+
+def available() -> bool:
+    """Whether the pass is built (checked before a caller changes anything it would undo)."""
+    return _kernel() is not None
+
+
+def merge_lowest(rows: torch.Tensor, kv_heads: int, sides: Sequence[torch.Tensor], counts: torch.Tensor,
+                 capacity: int, candidates: int, ems: GlobalLocalStep, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor, rotary: RotaryCosSin, buffers: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor] | bool | None:
+    """One EMS decoding compaction of every segment (module docstring) from ``rows`` ``(batch, q_heads, 1, L)`` (the
+    query's float32 softmax rows over the ``L`` held entries, contiguous): ``sides`` the score's side data (s_glo,
+    s_loc's past and current parts, the current part's row count) and ``counts`` the merge counts, float32 with
+    ``capacity`` rows per segment; ``keys``/``values`` ``(rows, d)`` and ``positions`` the store's buffers;
+    ``buffers`` every buffer the drop moves (all of them). The newest ``L − candidates`` entries are protected.
+
+    Returns ``(dropped, target)`` per segment (``target`` −1: evicted) when done; False when a decision lay within
+    the margin (the side data were observed, nothing else changed); None, with nothing changed, where the pass does
+    not apply."""
+    batch, q_heads, _, length = rows.shape
+    groups = q_heads // kv_heads if kv_heads else 0
+    segments = batch * kv_heads
+    kind = KINDS.get(keys.dtype)
+    float_buffers = (*sides, counts)
+    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or not rows.is_contiguous()
+            or not 1 <= groups <= MOST_GROUPS or groups * kv_heads != q_heads or kind is None
+            or values.dtype != keys.dtype or len(sides) != 4 or not 1 <= candidates <= length or capacity < length
+            or positions.dtype != torch.long or rotary.cos.dtype != torch.float32
+            or rotary.sin.shape != rotary.cos.shape or not rotary.cos.is_contiguous() or not rotary.sin.is_contiguous()
+            or any(t.dtype != torch.float32 or t.numel() != segments * capacity for t in float_buffers)
+            or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape[0] != segments * capacity
+                   for t in (keys, values, positions, *float_buffers, *buffers))):
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    dropped = torch.empty(segments, dtype=torch.long)
+    target = torch.empty(segments, dtype=torch.long)
+    weights = torch.empty(2 * segments, dtype=torch.float32)
+    scratch = torch.empty(2 * length, dtype=torch.float32)
+    pointers = (ctypes.c_void_p * len(buffers))(*(t.data_ptr() for t in buffers))
+    row_bytes = (ctypes.c_int64 * len(buffers))(*(math.prod(t.shape[1:]) * t.element_size() for t in buffers))
+    glo, past, cur, held = sides
+    status = kernel(batch, kv_heads, groups, length, capacity, rows.data_ptr(), glo.data_ptr(), past.data_ptr(),
+                    cur.data_ptr(), held.data_ptr(), counts.data_ptr(), ems.window, ems.kernel, candidates,
+                    int(ems.use_global), int(ems.merges), ems.tau, keys.data_ptr(), values.data_ptr(), kind,
+                    keys.shape[1], positions.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.half,
+                    rotary.cos.shape[0], rotary.scaling, rotary.unrotate_factor,
+                    len(buffers), pointers, row_bytes, scratch.data_ptr(), dropped.data_ptr(), target.data_ptr(),
+                    weights.data_ptr())
+    if status == DONE:
+        return dropped, target
+    if status == UNDECIDED:
+        return False
+    return None
