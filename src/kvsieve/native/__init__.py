@@ -11,5 +11,8 @@ the CPU, ``KVSIEVE_NATIVE=0``).
 - :mod:`kvsieve.native.decoding_rows`: a decoding query's output and float32 softmax rows in one pass (what a layer
   compacting at every decoding step reads).
 
-All five are in ``tiers.c``.
+All five are in ``tiers.c``. Besides them: :mod:`kvsieve.native.evict_lowest` (``evict.c``: every-step eviction in
+place, bit for bit), :mod:`kvsieve.native.merge_lowest` (``merge.c``: EMS's every-step evict-then-merge in place, the
+general step's decisions within float32 rounding) and :mod:`kvsieve.native.column_sums` (``statistics.c``: a bf16
+prompt's column sums from the flash kernel's log-sum-exp).
 """

@@ -110,51 +110,58 @@ static void unit(float *x, int64_t dim) {
         x[e] /= n;
 }
 
+/* A stored row of `dim` elements as float32. */
+static inline void row_floats(const void *base, int kind, int64_t row, int64_t dim, float *out) {
+    if (kind == KIND_FLOAT32) {
+        memcpy(out, (const float *)base + row * dim, (size_t)dim * sizeof(float));
+        return;
+    }
+    const uint16_t *bits = (const uint16_t *)base + row * dim;
+    for (int64_t e = 0; e < dim; ++e) {
+        const uint32_t wide = (uint32_t)bits[e] << 16;
+        memcpy(out + e, &wide, 4);
+    }
+}
+
 /* R = cos(raw k_c, raw k_i) * cos(v_c, v_i) of centre row `row` against the to-be-merged entry's unit raw key and
- * unit value: one pass over the key (un-rotated on the fly, its dot product and squared norm summed together) and one
- * over the value, in float32 (the decisions' margin is far above its rounding). */
+ * unit value: the key un-rotated on the fly without the attention factor (a cosine does not see it), its dot product
+ * and squared norm summed together, then the value's, in float32 lanes (the decisions' margin is far above their
+ * rounding). */
 static float redundancy(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
                         const Rotary *rope, const float *unit_key, const float *unit_value) {
-    const float factor = rope->unrotate_factor;
+    float k[MOST_DIM], v[MOST_DIM];
+    row_floats(keys, kind, row, dim, k);
+    row_floats(values, kind, row, dim, v);
     const float *cos = rope->cos + position * rope->half, *sin = rope->sin + position * rope->half;
     const int64_t half = rope->half;
     float key_dot[LANES] = {0}, key_sq[LANES] = {0}, value_dot[LANES] = {0}, value_sq[LANES] = {0};
     int64_t f = 0;
     for (; f + LANES <= half; f += LANES) /* LANES independent sums: vector code without reassociation */
         for (int l = 0; l < LANES; ++l) {
-            float c = cos[f + l], s = sin[f + l];
-            if (factor != 1.0f)
-                c *= factor, s *= factor;
-            const float y1 = load(keys, kind, row * dim + f + l), y2 = load(keys, kind, row * dim + half + f + l);
+            const float c = cos[f + l], s = sin[f + l], y1 = k[f + l], y2 = k[half + f + l];
             const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
             key_dot[l] += x1 * unit_key[f + l] + x2 * unit_key[half + f + l];
             key_sq[l] += x1 * x1 + x2 * x2;
         }
     for (; f < half; ++f) {
-        float c = cos[f], s = sin[f];
-        if (factor != 1.0f)
-            c *= factor, s *= factor;
-        const float y1 = load(keys, kind, row * dim + f), y2 = load(keys, kind, row * dim + half + f);
+        const float c = cos[f], s = sin[f], y1 = k[f], y2 = k[half + f];
         const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
         key_dot[0] += x1 * unit_key[f] + x2 * unit_key[half + f];
         key_sq[0] += x1 * x1 + x2 * x2;
     }
     for (int64_t e = 2 * half; e < dim; ++e) {
-        const float x = load(keys, kind, row * dim + e);
-        key_dot[0] += x * unit_key[e];
-        key_sq[0] += x * x;
+        key_dot[0] += k[e] * unit_key[e];
+        key_sq[0] += k[e] * k[e];
     }
     int64_t e = 0;
     for (; e + LANES <= dim; e += LANES)
         for (int l = 0; l < LANES; ++l) {
-            const float v = load(values, kind, row * dim + e + l);
-            value_dot[l] += v * unit_value[e + l];
-            value_sq[l] += v * v;
+            value_dot[l] += v[e + l] * unit_value[e + l];
+            value_sq[l] += v[e + l] * v[e + l];
         }
     for (; e < dim; ++e) {
-        const float v = load(values, kind, row * dim + e);
-        value_dot[0] += v * unit_value[e];
-        value_sq[0] += v * v;
+        value_dot[0] += v[e] * unit_value[e];
+        value_sq[0] += v[e] * v[e];
     }
     for (int l = 1; l < LANES; ++l) {
         key_dot[0] += key_dot[l], key_sq[0] += key_sq[l];
@@ -271,11 +278,74 @@ static void merge(void *keys, void *values, float *counts, int kind, int64_t dim
     }
 }
 
+/* One segment's plan from its side data (after the observation): the entry it gives up (*dropped) and the centre
+ * it merges into (*target, -1: evicted) with the merge's weights (w_i, w_c); 0 where a decision lies within the
+ * margin or meets a NaN. positions: the segment's; base: its first row; scratch: 2 * length floats. */
+static int decide(const void *keys, const void *values, int kind, int64_t dim, const int64_t *positions, int64_t base,
+                  int64_t length, const float *glo, const float *past, const float *cur, const Ems *ems,
+                  const Rotary *rope, float *scratch, int64_t *dropped, int64_t *target, float *weights) {
+    float *plain = scratch, *pooled = scratch + length;
+    const int64_t candidates = ems->candidates;
+    scores(glo, past, cur, length, ems, plain, pooled);
+    int64_t at = 0;
+    float lowest = pooled[0], second = INFINITY;
+    for (int64_t j = 0; j < candidates; ++j) {
+        if (isnan(pooled[j]))
+            return 0;
+        if (j == 0)
+            continue;
+        if (pooled[j] < lowest) {
+            second = lowest;
+            lowest = pooled[j];
+            at = j;
+        } else if (pooled[j] < second)
+            second = pooled[j];
+    }
+    if (candidates > 1 && near(lowest, second))
+        return 0;
+    *dropped = at;
+    *target = -1;
+    if (!ems->merges || candidates < 2)
+        return 1;
+    /* the to-be-merged entry's raw unit key and unit value, against every centre's */
+    float raw_i[MOST_DIM], unit_vi[MOST_DIM];
+    unrotate(keys, kind, base + at, dim, positions[at], rope, raw_i);
+    unit(raw_i, dim);
+    for (int64_t e = 0; e < dim; ++e)
+        unit_vi[e] = load(values, kind, (base + at) * dim + e);
+    unit(unit_vi, dim);
+    float best = -INFINITY, runner = -INFINITY;
+    int64_t best_at = -1;
+    for (int64_t c = 0; c < candidates; ++c) {
+        if (c == at)
+            continue;
+        float r = redundancy(keys, values, kind, base + c, dim, positions[c], rope, raw_i, unit_vi);
+        r = r < -1.0f ? -1.0f : r > 1.0f ? 1.0f : r;
+        if (isnan(r))
+            return 0;
+        if (r > best) {
+            runner = best;
+            best = r;
+            best_at = c;
+        } else if (r > runner)
+            runner = r;
+    }
+    if (fabsf(best - ems->tau) <= NEAR || (best > ems->tau && best - runner <= NEAR))
+        return 0;
+    if (best > ems->tau) {
+        *target = best_at;
+        weights[0] = pooled[at] > MIN_WEIGHT ? pooled[at] : MIN_WEIGHT;
+        weights[1] = pooled[best_at] > MIN_WEIGHT ? pooled[best_at] : MIN_WEIGHT;
+    }
+    return 1;
+}
+
 /* rows: (batch, kv_heads * groups, length) float32, contiguous. glo, past, cur, held_rows, counts: float32 side data,
  * entry j of segment s at row s * capacity + j. keys, values: (rows, dim) of `kind`; positions: int64 per row.
  * cos, sin: (table_rows, half) float32, the rotary table's of each position (half 0: no rotary dims); scaling its
  * attention factor (rotate multiplies by it), unrotate_factor 1 / scaling (unrotate multiplies by that).
- * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats.
+ * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats per
+ * segment (the segments are planned in parallel on torch's OpenMP threads).
  * dropped, target: (batch * kv_heads) int64, written (target -1: evicted); weights: 2 * batch * kv_heads floats
  * (each merge's w_i, w_c), written. Returns 0 (done), 1 (a decision within
  * the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
@@ -300,72 +370,16 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
         }
     const Rotary rope = {cos, sin, half, table_rows, scaling, unrotate_factor};
     const Ems ems = {window, kernel, candidates, use_global, merges, tau};
-    float *plain = scratch, *pooled = scratch + length;
-    float raw_i[MOST_DIM], unit_vi[MOST_DIM];
     int decided = 1;
+#pragma omp parallel for schedule(static) if (segments * candidates >= 2048)
     for (int64_t s = 0; s < segments; ++s) {
         const int64_t base = s * capacity;
         observe(rows + s * groups * length, groups, length, glo + base, past + base, cur + base, held_rows + base,
                 window);
-        if (!decided)
-            continue; /* every segment observes; none moves */
-        scores(glo + base, past + base, cur + base, length, &ems, plain, pooled);
-        int64_t at = 0;
-        float lowest = pooled[0], second = INFINITY;
-        for (int64_t j = 0; j < candidates; ++j) {
-            if (isnan(pooled[j])) {
-                decided = 0;
-                break;
-            }
-            if (j == 0)
-                continue;
-            if (pooled[j] < lowest) {
-                second = lowest;
-                lowest = pooled[j];
-                at = j;
-            } else if (pooled[j] < second)
-                second = pooled[j];
-        }
-        if (!decided || (candidates > 1 && near(lowest, second))) {
+        if (!decide(keys, values, kind, dim, positions + base, base, length, glo + base, past + base, cur + base,
+                    &ems, &rope, scratch + s * 2 * length, dropped + s, target + s, weights + 2 * s)) {
+#pragma omp atomic write
             decided = 0;
-            continue;
-        }
-        dropped[s] = at;
-        target[s] = -1;
-        if (!merges || candidates < 2)
-            continue;
-        /* the to-be-merged entry's raw unit key and unit value, against every centre's */
-        unrotate(keys, kind, base + at, dim, positions[base + at], &rope, raw_i);
-        unit(raw_i, dim);
-        for (int64_t e = 0; e < dim; ++e)
-            unit_vi[e] = load(values, kind, (base + at) * dim + e);
-        unit(unit_vi, dim);
-        float best = -INFINITY, runner = -INFINITY;
-        int64_t best_at = -1;
-        for (int64_t c = 0; c < candidates; ++c) {
-            if (c == at)
-                continue;
-            float r = redundancy(keys, values, kind, base + c, dim, positions[base + c], &rope, raw_i, unit_vi);
-            r = r < -1.0f ? -1.0f : r > 1.0f ? 1.0f : r;
-            if (isnan(r)) {
-                decided = 0;
-                break;
-            }
-            if (r > best) {
-                runner = best;
-                best = r;
-                best_at = c;
-            } else if (r > runner)
-                runner = r;
-        }
-        if (!decided || fabsf(best - tau) <= NEAR || (best > tau && best - runner <= NEAR)) {
-            decided = 0;
-            continue;
-        }
-        if (best > tau) {
-            target[s] = best_at;
-            weights[2 * s] = pooled[at] > MIN_WEIGHT ? pooled[at] : MIN_WEIGHT;
-            weights[2 * s + 1] = pooled[best_at] > MIN_WEIGHT ? pooled[best_at] : MIN_WEIGHT;
         }
     }
     if (!decided)

@@ -110,7 +110,7 @@ def merge_lowest(rows: torch.Tensor, kv_heads: int, sides: Sequence[torch.Tensor
     dropped = torch.empty(segments, dtype=torch.long)
     target = torch.empty(segments, dtype=torch.long)
     weights = torch.empty(2 * segments, dtype=torch.float32)
-    scratch = torch.empty(2 * length, dtype=torch.float32)
+    scratch = torch.empty(segments * 2 * length, dtype=torch.float32)
     pointers = (ctypes.c_void_p * len(buffers))(*(t.data_ptr() for t in buffers))
     row_bytes = (ctypes.c_int64 * len(buffers))(*(math.prod(t.shape[1:]) * t.element_size() for t in buffers))
     glo, past, cur, held = sides
