@@ -39,7 +39,8 @@
 #define MOST_DIM 256
 #define MIN_WEIGHT 1e-12f /* evict_merge.MIN_WEIGHT and merge.EPS */
 #define LANES 16       /* the redundancy's partial sums */
-#define NEAR 1e-4f        /* relative margin of a decision (float32 rounding of these sums: ~1e-6) */
+#define NEAR 2e-5f     /* margin of a decision: relative for scores, absolute for redundancies (their rounding, here and
+                          * in torch: below 4e-6) */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
