@@ -52,7 +52,7 @@ from kvsieve.engine.merge_in_place import MergeInPlace, decoding_bias
 from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
-from kvsieve.native import decoding_rows, evict_lowest
+from kvsieve.native import decoding_rows, evict_lowest, merge_lowest
 from kvsieve.parts.actions.base import Action
 from kvsieve.parts.scorers.base import Scorer
 from kvsieve.policies.policy import Policy
@@ -97,10 +97,11 @@ class Engine:
         #: appends, defers and attends (:meth:`_plain_decoding_step`); one that plans takes the general step.
         #: No selector, GQA expansion, expanded centres or hooks, and no side data but the scorer's: a decoding step
         #: may skip describing itself (:meth:`_plain_decoding_step`, :meth:`_evicting_step`).
-        plain_parts = (
-            scorer is not None and policy.selector is None and not policy.expand_gqa and self._plain_action
-            and not policy.hooks() and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()}
-        )
+        plain_shape = (scorer is not None and policy.selector is None and not policy.expand_gqa and self._plain_action
+                       and not policy.hooks())
+        policy_sides = {spec.name for spec in policy.side()}
+        scorer_sides = {spec.name for spec in scorer.side()} if scorer is not None else set()
+        plain_parts = plain_shape and policy_sides == scorer_sides
         self._defers_plainly = (
             not self._decodes_plainly and plain_parts and scorer is not None
             and type(scorer).decoding_updates is not Scorer.decoding_updates and not policy.action.quantizes
@@ -122,9 +123,8 @@ class Engine:
         #: ... or EMS's evict-then-merge at every decoding step (:mod:`kvsieve.engine.merge_in_place`): the same
         #: parts but for the action's merge counts.
         self._merge = MergeInPlace(policy) if (
-            scorer is not None and MergeInPlace.applies(policy) and self._plans.uniform_budget and not self._global
-            and policy.selector is None and not policy.expand_gqa and self._plain_action and not policy.hooks()
-            and {spec.name for spec in policy.side()} == {spec.name for spec in scorer.side()} | {MERGE_COUNT}
+            plain_shape and policy_sides == scorer_sides | {MERGE_COUNT} and MergeInPlace.applies(policy)
+            and self._plans.uniform_budget and not self._global
         ) else None
         self._deferral = Deferral(policy)
         self._warning = NoopWarning(policy, self.managed)
@@ -316,7 +316,8 @@ class Engine:
         assert store is not None
         seen = layer.seen
         if layer.left_alone or self.probe is not None or seen == 0 or store.hooks or not store.is_uniform \
-                or query.device.type != "cpu" or not evict_lowest.available() \
+                or query.device.type != "cpu" \
+                or not (merge_lowest.available() if self._merge is not None else evict_lowest.available()) \
                 or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
             return None
         candidates = self._plans.lowest_candidates(layer.layer_idx, store.max_length + 1)

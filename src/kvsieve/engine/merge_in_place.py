@@ -22,7 +22,6 @@ import torch
 
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import MERGE_COUNT
-from kvsieve.native import merge_lowest
 from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin
 from kvsieve.ops.rope import half_cos_sin, rotary_table
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
@@ -49,9 +48,9 @@ class MergeInPlace:
 
     @staticmethod
     def applies(policy: Policy) -> bool:
-        """Exactly EMS's scorer and action (not a subclass), on the CPU where the pass is built."""
-        return type(policy.scorer) is GlobalLocal and type(policy.action) is EvictThenMerge \
-            and merge_lowest.available()
+        """Exactly EMS's scorer and action (not a subclass); the engine checks at each step that the pass is built
+        (:func:`kvsieve.native.merge_lowest.available`) and the step runs on the CPU."""
+        return type(policy.scorer) is GlobalLocal and type(policy.action) is EvictThenMerge
 
     def step(self, budget: int) -> GlobalLocalStep:
         """The pass's parameters for a layer keeping ``budget`` entries per head (the action merges when
