@@ -43,6 +43,12 @@ STATISTICS = (WINDOW_ROWS, WINDOW_OUTPUTS, COLUMN_SUMS, COLUMN_MAXIMA, OUTPUT_PR
 MERGE_COUNT = "merge_count"
 
 
+def count_bias(counts: torch.Tensor) -> torch.Tensor:
+    """The additive logit bias ``log(count)`` of merged entries (a centre of ``n`` tokens counts ``n`` times; EMS,
+    Sec. 4.2), float32; counts below 1 count once."""
+    return counts.float().clamp(min=1.0).log()
+
+
 @dataclass(frozen=True)
 class AppendedUpdate:
     """A side-data update for the forward's new entries only: ``values`` ``(batch, kv_heads, q)``, one per new
@@ -181,7 +187,7 @@ class LayerStep:
         if counts is None:
             return None
         if "bias" not in self._memo:
-            bias = counts.float().clamp(min=1.0).log()
+            bias = count_bias(counts)
             if self.view.valid is not None:
                 bias = bias.masked_fill(~self.view.valid, 0.0)
             self._memo["bias"] = bias

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import MERGE_COUNT
+from kvsieve.core.step import MERGE_COUNT, count_bias
 from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin
 from kvsieve.ops.rope import half_cos_sin, rotary_table
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
@@ -94,4 +94,4 @@ def decoding_bias(store: LayerStore) -> torch.Tensor | None:
     if MERGE_COUNT not in store.written_sides or MERGE_COUNT not in store.extras:
         return None
     held = store.max_length
-    return store.side_capacity_view(MERGE_COUNT).narrow(2, 0, held).float().clamp(min=1.0).log()
+    return count_bias(store.side_capacity_view(MERGE_COUNT).narrow(2, 0, held))
