@@ -44,11 +44,8 @@ def flash_attention_and_column_sums(
     import)."""
     form = as_form(form)
     batch, q_heads, q_len, _ = query.shape
-    kv_heads, n = keys.shape[1], keys.shape[2]
-    if (query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16) or form.explicit
-            or bias is not None or query_weight is not None or not isinstance(visibility, Visibility)
-            or visibility.first_query != 0 or visibility.key_valid is not None
-            or visibility.sliding_window is not None or q_len != n or q_len < 2):
+    kv_heads = keys.shape[1]
+    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias):
         return None
     operator = _flash_with_logsumexp()
     if operator is None:
@@ -65,6 +62,38 @@ def flash_attention_and_column_sums(
     if sums is None:
         sums = _column_sums(query, keys, logsumexp, form.scaling)
     return output.transpose(1, 2).contiguous(), sums
+
+
+def plain_causal_prompt(query: torch.Tensor, keys: torch.Tensor, visibility: object, form: AttentionForm,
+                        query_weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Whether this forward is what the flash routes take: a bfloat16/float16 causal prompt of at least two queries
+    on the CPU over its own entries only (an empty store before it), no padding, no sliding window, no soft-capping,
+    sinks, bias or query weights."""
+    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and not form.explicit
+            and bias is None and query_weight is None and isinstance(visibility, Visibility)
+            and visibility.first_query == 0 and visibility.key_valid is None and visibility.sliding_window is None
+            and query.shape[2] == keys.shape[2] and query.shape[2] >= 2)
+
+
+def fused_attention_and_column_sums(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visibility: object, form: AttentionForm | float,
+    query_weight: torch.Tensor | None, bias: torch.Tensor | None,
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The output ``(batch, q, q_heads, d)`` and column sums ``(batch, q_heads, n)`` of the same prompts as
+    :func:`flash_attention_and_column_sums` from ``kernel(query, keys, values, scaling)`` — one pass computing both,
+    whose output is its own, not SDPA's (the CPU's AMX pass, :mod:`kvsieve.native.fused_attention`, which this layer
+    does not import; it returns ``(output, logsumexp, sums)`` or None). None where this route does not apply or the
+    kernel declines."""
+    form = as_form(form)
+    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias):
+        return None
+    result = kernel(query, keys, values, form.scaling)
+    if result is None:
+        return None
+    output, _, sums = result
+    return output, sums
 
 
 def _column_sums(query: torch.Tensor, keys: torch.Tensor, logsumexp: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvsieve.attention.flash_statistics import flash_attention_and_column_sums
+from kvsieve.attention.flash_statistics import flash_attention_and_column_sums, fused_attention_and_column_sums
 from kvsieve.attention.kernel import (
     AttentionForm,
     Visibility,
@@ -29,6 +29,7 @@ from kvsieve.cache.store import DenseView, LayerStore
 from kvsieve.models.architectures import ModelInfo
 from kvsieve.native import decoding_rows
 from kvsieve.native.column_sums import causal_column_sums
+from kvsieve.native.fused_attention import causal_attention_with_column_sums
 
 #: Statistic names a scorer may declare in ``Scorer.needs``.
 WINDOW_ROWS = "window_rows"  #: softmax rows of the last ``w`` queries
@@ -294,16 +295,34 @@ class LayerStep:
     def output_with_column_sums(self) -> torch.Tensor:
         """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
-        alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16/float16
-        causal prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its
-        log-sum-exp instead (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast
-        exponential, ~1e-5 relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
+        alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16 causal
+        prompt on a CPU with AMX tiles takes the C pass that computes both from one set of exponentials
+        (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal prompt on the CPU takes the
+        flash kernel's output (SDPA's, bit for bit) and the sums from its log-sum-exp
+        (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast exponential, ~1e-5
+        relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
         (:mod:`kvsieve.native.column_sums`, AVX512-BF16)."""
         self._require(COLUMN_SUMS)  # refused before any work
-        output = self.flash_output_with_column_sums()
+        output = self.native_output_with_column_sums()
+        if output is None:
+            output = self.flash_output_with_column_sums()
         if output is None:
             return self._fused_output(COLUMN_SUMS, "colsum", attention_and_column_sums)
         return output
+
+    def native_output_with_column_sums(self) -> torch.Tensor | None:
+        """:meth:`output_with_column_sums` from the CPU's AMX pass, which takes each exponential once for the output and
+        the sums (memoised; :mod:`kvsieve.native.fused_attention`): the same prompts as the flash route, bfloat16 only,
+        a head size that is a multiple of 32. Its output is within bfloat16 rounding of SDPA's, not SDPA's, so only
+        under ``fuse_statistics=True``; None elsewhere (nothing computed)."""
+        self._require(COLUMN_SUMS)
+        fused = fused_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
+                                                self.form if self.form is not None else self.scaling,
+                                                self.query_valid, self.bias(), causal_attention_with_column_sums)
+        if fused is None:
+            return None
+        self._memo["colsum"] = fused[1]
+        return fused[0]
 
     def flash_output_with_column_sums(self) -> torch.Tensor | None:
         """:meth:`output_with_column_sums` where it is the flash kernel's output — SDPA's own on the CPU, bit for bit —

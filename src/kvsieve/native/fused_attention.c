@@ -1,0 +1,357 @@
+/* A causal bfloat16 prompt's attention output and its column sums from one pass over the logits, on AMX tiles
+ * (kvsieve_causal_attention_with_column_sums).
+ *
+ * kvsieve.native.build builds this file on first use; kvsieve.native.fused_attention calls it through ctypes for
+ * LayerStep.output_with_column_sums (fuse_statistics=True), whose PyTorch passes are the reference. For query head h
+ * of batch item b over its KV head's keys and values (h / groups), query t seeing the keys j <= t:
+ *
+ *   p[t, j]     = exp(s * q_t . k_j - m_t)                      m_t = max_j s * q_t . k_j
+ *   lse[t]      = m_t + log(sum_j p[t, j])
+ *   out[t]      = (sum_j bf16(p[t, j]) v_j) / sum_j p[t, j]    (rounded to bfloat16)
+ *   sums[j]     = sum_{t >= j} p[t, j] / sum_j' p[t, j']
+ *
+ * the attention (Vaswani et al. 2017) and H2O's and EMS's statistic (Zhang et al. 2023, arXiv:2306.14048, Sec. 3.2;
+ * Li et al. 2024, arXiv:2412.08521, Sec. 3.3: attention accumulated over every query of the prompt), which the paper of
+ * EMS computes inside its attention kernel. Each probability's exponential is taken once and serves the output, the
+ * log-sum-exp and the sums: where SDPA followed by a statistics pass takes every exponential twice and reads the
+ * logits twice.
+ *
+ * Not SDPA's output bit for bit. Like PyTorch's CPU flash kernel it multiplies bfloat16 probabilities by the values
+ * into float32 sums, but it takes each query's exact maximum first (its sixteen queries' logits are kept, float32,
+ * over the keys they see) instead of a running maximum, so the probabilities round to bfloat16 at other points: the
+ * output differs from SDPA's by bfloat16 rounding. The sums use the float32 probabilities: within float32 rounding of
+ * the float64 softmax. exp is 2^n * 2^f with a degree-6 polynomial for 2^f (relative error <= 1.2e-7).
+ *
+ * Work: a unit is sixteen queries of one (batch item, query head), the largest first, shared among torch's OpenMP
+ * threads. Its logits against the keys up to its last query come from the tiles (16 queries x 64 keys a round, the
+ * keys packed once per call as bfloat16 pairs), its probabilities from the vector units, its output from the tiles
+ * again (16 queries x 64 dimensions a round over the values packed as key pairs), and its sums are added to the row's
+ * under that row's lock. Needs AMX-BF16 (and a head size that is a multiple of 32, up to 256); returns -1 otherwise,
+ * and the caller keeps its other routes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVSIEVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a feature's register state (asm/prctl.h) */
+#define XFEATURE_XTILEDATA 18      /* the AMX tiles' data */
+#else
+#define KVSIEVE_AMX 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define KVSIEVE_ABI 1
+#define ROWS 16       /* queries per unit: a tile's rows */
+#define KEYS 16       /* keys per block: a float32 tile's columns, the vector's lanes */
+#define ROUND 64      /* keys per round of the tiles (four blocks) */
+#define MOST_DIM 256  /* head size */
+#define LOG2E 1.44269504088896341f
+
+int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
+
+/* Whether the build has the AMX tiles this pass needs. */
+int kvsieve_fused_attention_tiles(void) { return KVSIEVE_AMX; }
+
+#if KVSIEVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileShape;
+
+static int tiles_granted(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+/* Seven tiles of 16 rows x 64 bytes: 0 ... 3 float32 sums (16 x 16), 4 the first operand (16 rows x 32 bfloat16),
+ * 5 and 6 the second (16 pairs x 16 columns x 2). */
+static void shape_tiles(void) {
+    TileShape shape;
+    memset(&shape, 0, sizeof shape);
+    shape.palette = 1;
+    for (int tile = 0; tile < 7; ++tile) {
+        shape.bytes_per_row[tile] = 64;
+        shape.rows[tile] = 16;
+    }
+    _tile_loadconfig(&shape);
+}
+
+/* 2^x (statistics.c's polynomial): 2^n by scalef times the degree-6 Taylor polynomial of 2^f, |f| <= 1/2. */
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The lanes of the block at key j0 that query t sees (j0 + l <= t). */
+static inline __mmask16 seen_by(int64_t t, int64_t j0) {
+    const int64_t last = t - j0;
+    if (last < 0)
+        return 0;
+    return last >= KEYS - 1 ? (__mmask16)0xFFFFu : (__mmask16)((1u << (last + 1)) - 1u);
+}
+
+/* The keys of one (batch item, KV head) as the tiles' second operand of q.k: blocks of 16 keys, each block's dimension
+ * pairs one after another (pair p of key l at [block][p][l]), zero past n up to `padded`. */
+static void pack_keys(const uint16_t *keys, int64_t k_row, int64_t n, int64_t padded, int64_t pairs,
+                      uint32_t *packed) {
+    for (int64_t block = 0; block < padded / KEYS; ++block)
+        for (int64_t l = 0; l < KEYS; ++l) {
+            const int64_t j = block * KEYS + l;
+            for (int64_t p = 0; p < pairs; ++p) {
+                uint32_t bits = 0;
+                if (j < n)
+                    memcpy(&bits, keys + j * k_row + 2 * p, 4);
+                packed[(block * pairs + p) * KEYS + l] = bits;
+            }
+        }
+}
+
+/* The values of one (batch item, KV head) as the second operand of p.v: key pairs, each pair's dimensions one after
+ * another with the two keys' values side by side ([pair][d][2]), zero past n up to `padded`. */
+static void pack_values(const uint16_t *values, int64_t v_row, int64_t n, int64_t padded, int64_t dim,
+                        uint16_t *packed) {
+    for (int64_t j = 0; j < padded; ++j)
+        for (int64_t d = 0; d < dim; ++d)
+            packed[((j / 2) * dim + d) * 2 + j % 2] = j < n ? values[j * v_row + d] : 0;
+}
+
+/* Per-thread room for one unit: its logits, then probabilities (float32, ROWS x (padded + 16)), the probabilities in
+ * bfloat16 (ROWS x (padded + 32)), the queries (ROWS x dim) and the output's float32 sums (ROWS x dim). */
+typedef struct {
+    float *logits;
+    uint16_t *probs;
+    uint16_t *queries;
+    float *output;
+} Room;
+
+/* One unit: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). */
+static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int64_t n, int64_t padded,
+                 const uint16_t *query, int64_t q_row, float scaling, int64_t t0, Room room, uint16_t *out,
+                 int64_t o_row, float *lse, float *sums, void *lock) {
+    const int64_t pairs = dim / 2, rows = n - t0 < ROWS ? n - t0 : ROWS;
+    const int64_t last = t0 + rows - 1;                               /* the last query */
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND;     /* the keys the tiles take, <= padded */
+    const int64_t stride = padded + KEYS, narrow = padded + 2 * KEYS; /* rows of logits, of bfloat16 probabilities:
+                                                                        64 bytes past a multiple of 64 keys, so the
+                                                                        sixteen rows fall in different cache sets */
+    float *logits = room.logits;
+    memset(room.queries, 0, (size_t)(ROWS * dim) * 2);
+    for (int64_t r = 0; r < rows; ++r)
+        memcpy(room.queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 2);
+    /* the logits: 16 queries x 64 keys a round */
+    for (int64_t j0 = 0; j0 < span; j0 += ROUND) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint32_t *k = keys + (j0 / KEYS) * pairs * KEYS;
+        for (int64_t chunk = 0; chunk < pairs / 16; ++chunk) {
+            const uint32_t *kc = k + chunk * 16 * KEYS;
+            _tile_loadd(4, room.queries + chunk * 32, dim * 2);
+            _tile_loadd(5, kc, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, kc + pairs * KEYS, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, kc + 2 * pairs * KEYS, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, kc + 3 * pairs * KEYS, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, logits + j0, stride * 4);
+        _tile_stored(1, logits + j0 + KEYS, stride * 4);
+        _tile_stored(2, logits + j0 + 2 * KEYS, stride * 4);
+        _tile_stored(3, logits + j0 + 3 * KEYS, stride * 4);
+    }
+    /* the probabilities: each query's maximum, then one exponential per logit it sees (zero elsewhere) */
+    const __m512 scale = _mm512_set1_ps(scaling * LOG2E);
+    float inverse[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) {
+        float *row = logits + r * stride;
+        uint16_t *probs = room.probs + r * narrow;
+        if (r >= rows) { /* a query past n: nothing seen */
+            memset(row, 0, (size_t)span * 4);
+            memset(probs, 0, (size_t)span * 2);
+            inverse[r] = 0.0f;
+            continue;
+        }
+        const int64_t t = t0 + r;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j <= t; j += KEYS)
+            most = _mm512_mask_max_ps(most, seen_by(t, j), most, _mm512_load_ps(row + j));
+        const float maximum = _mm512_reduce_max_ps(most);
+        const __m512 shift = _mm512_set1_ps(maximum * scaling * LOG2E);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < span; j += KEYS) {
+            const __mmask16 seen = seen_by(t, j);
+            const __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_fmsub_ps(_mm512_load_ps(row + j), scale,
+                                                                                shift)));
+            total = _mm512_add_ps(total, p);
+            _mm512_store_ps(row + j, p);
+            _mm256_store_si256((__m256i *)(probs + j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float sum = _mm512_reduce_add_ps(total);
+        inverse[r] = 1.0f / sum;
+        lse[r] = maximum * scaling + logf(sum);
+    }
+    /* the output: 16 queries x 64 dimensions a round, over the key pairs of the probabilities */
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        const int64_t chunks = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
+        for (int64_t c = 0; c < chunks; ++c)
+            switch (c) { /* the tile's number is an immediate */
+            case 0: _tile_zero(0); break;
+            case 1: _tile_zero(1); break;
+            case 2: _tile_zero(2); break;
+            default: _tile_zero(3); break;
+            }
+        for (int64_t j0 = 0; j0 < span; j0 += 32) {
+            _tile_loadd(4, room.probs + j0, narrow * 2);
+            const uint16_t *v = values + (j0 / 2) * dim * 2 + d0 * 2;
+            _tile_loadd(5, v, dim * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (chunks > 1) {
+                _tile_loadd(6, v + 32, dim * 4);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (chunks > 2) {
+                _tile_loadd(5, v + 64, dim * 4);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (chunks > 3) {
+                _tile_loadd(6, v + 96, dim * 4);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, room.output + d0, dim * 4);
+        if (chunks > 1)
+            _tile_stored(1, room.output + d0 + 16, dim * 4);
+        if (chunks > 2)
+            _tile_stored(2, room.output + d0 + 32, dim * 4);
+        if (chunks > 3)
+            _tile_stored(3, room.output + d0 + 48, dim * 4);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 by = _mm512_set1_ps(inverse[r]);
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(out + (t0 + r) * o_row + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(room.output + r * dim + d),
+                                                                          by)));
+    }
+    /* the sums: each key's probabilities over these queries, each divided by its query's total */
+    const int64_t seen_keys = last + 1;
+#ifdef _OPENMP
+    omp_set_lock((omp_lock_t *)lock);
+#else
+    (void)lock;
+#endif
+    for (int64_t j = 0; j < seen_keys; j += KEYS) {
+        __m512 column = _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r)
+            column = _mm512_fmadd_ps(_mm512_load_ps(logits + r * stride + j), _mm512_set1_ps(inverse[r]), column);
+        const __mmask16 inside = seen_keys - j >= KEYS ? (__mmask16)0xFFFFu : (__mmask16)((1u << (seen_keys - j)) - 1u);
+        _mm512_mask_storeu_ps(sums + j, inside, _mm512_add_ps(_mm512_maskz_loadu_ps(inside, sums + j), column));
+    }
+#ifdef _OPENMP
+    omp_unset_lock((omp_lock_t *)lock);
+#endif
+}
+#endif
+
+/* query: bfloat16 (batch, kv_heads * groups, n, dim) with strides in elements (unit stride over dim); keys, values:
+ * bfloat16 (batch, kv_heads, n, dim) likewise; out: bfloat16 (batch, n, kv_heads * groups, dim) with strides (unit
+ * over dim), written; lse and sums: float32 (batch, kv_heads * groups, n), contiguous, written. Returns 0, or -1 (no
+ * AMX in the build or the CPU, a head size it does not take, no memory: nothing written). */
+int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t n,
+                                              const uint16_t *query, int64_t q_batch, int64_t q_head, int64_t q_row,
+                                              const uint16_t *keys, int64_t k_batch, int64_t k_head, int64_t k_row,
+                                              const uint16_t *values, int64_t v_batch, int64_t v_head, int64_t v_row,
+                                              float scaling, uint16_t *out, int64_t o_batch, int64_t o_row,
+                                              int64_t o_head, float *lse, float *sums) {
+#if KVSIEVE_AMX
+    if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 32 || dim % 32 || dim > MOST_DIM || n < 1
+            || !tiles_granted())
+        return -1;
+    const int64_t pairs = dim / 2, q_heads = kv_heads * groups, rows = batch * q_heads;
+    const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
+    uint32_t *packed_keys = aligned_alloc(64, (size_t)(heads * padded * pairs) * 4);
+    uint16_t *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 2);
+#ifdef _OPENMP
+    omp_lock_t *locks = malloc((size_t)rows * sizeof(omp_lock_t));
+#else
+    char *locks = malloc((size_t)rows);
+#endif
+    if (!packed_keys || !packed_values || !locks) {
+        free(packed_keys), free(packed_values), free(locks);
+        return -1;
+    }
+    memset(sums, 0, (size_t)(rows * n) * 4);
+#ifdef _OPENMP
+    for (int64_t r = 0; r < rows; ++r)
+        omp_init_lock(locks + r);
+#endif
+    const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
+    int failed = 0;
+#pragma omp parallel if (n >= 128)
+    {
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < heads; ++head) {
+        const int64_t b = head / kv_heads, g = head % kv_heads;
+        pack_keys(keys + b * k_batch + g * k_head, k_row, n, padded, pairs, packed_keys + head * padded * pairs);
+        pack_values(values + b * v_batch + g * v_head, v_row, n, padded, dim, packed_values + head * padded * dim);
+    }
+    Room room;
+    room.logits = aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4);
+    room.probs = aligned_alloc(64, (size_t)(ROWS * (padded + 2 * KEYS)) * 2);
+    room.queries = aligned_alloc(64, (size_t)(ROWS * dim) * 2);
+    room.output = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
+    const int ready = room.logits && room.probs && room.queries && room.output;
+    if (!ready) {
+#pragma omp atomic write
+        failed = 1;
+    }
+    shape_tiles(); /* each thread's own tile shape */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+        if (!ready)
+            continue;
+        const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
+        const int64_t b = row / q_heads, h = row % q_heads, head = b * kv_heads + h / groups;
+        unit(packed_keys + head * padded * pairs, packed_values + head * padded * dim, dim, n, padded,
+             query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, room, out + b * o_batch + h * o_head,
+             o_row, lse + row * n + tile * ROWS, sums + row * n, locks + row);
+    }
+    _tile_release();
+    free(room.logits), free(room.probs), free(room.queries), free(room.output);
+    }
+#ifdef _OPENMP
+    for (int64_t r = 0; r < rows; ++r)
+        omp_destroy_lock(locks + r);
+#endif
+    free(packed_keys), free(packed_values), free(locks);
+    return failed ? -1 : 0;
+#else
+    (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
+    (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)values, (void)v_batch, (void)v_head;
+    (void)v_row, (void)scaling, (void)out, (void)o_batch, (void)o_row, (void)o_head, (void)lse, (void)sums;
+    return -1;
+#endif
+}
