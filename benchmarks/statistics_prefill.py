@@ -3,8 +3,9 @@
 For each prompt length (default 4096 and 8192, batch 1) every policy's prefill + compression
 (``KVCache(model, policy, budget=B)``, ``logits_to_keep=1``, then ``flush``) is timed ``--repeats`` times,
 policies rotating, after an untimed warm-up of each; medians. ``h2o`` and ``ems`` are also run with the fusion
-switched on (``<policy>_fused``, ``fuse_statistics=True``: output and column sums from one pass; the default
-is SDPA, then the column sums in a second float32 pass), so one run shows what the one-pass kernel saves.
+switched on (``<policy>_fused``, ``fuse_statistics=True``: output and column sums from one pass — on a CPU with
+AMX tiles and a bf16 model kvsieve's own kernel, ``native/fused_attention.c``; the default is SDPA, then the column
+sums in a second pass), so one run shows what the one-pass kernel saves.
 
 Goals (issue 22): prefill of ``h2o``, ``ems``, ``h2o_caote``, ``tova`` ≤ 1.15× ``snapkv``; ``restkv`` ≤ 1.05×.
 The JSON records the device (CPU model and bf16 support, or the GPU), dtype, threads, versions and the

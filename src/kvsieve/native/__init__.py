@@ -13,6 +13,8 @@ the CPU, ``KVSIEVE_NATIVE=0``).
 
 All five are in ``tiers.c``. Besides them: :mod:`kvsieve.native.evict_lowest` (``evict.c``: every-step eviction in
 place, bit for bit), :mod:`kvsieve.native.merge_lowest` (``merge.c``: EMS's every-step evict-then-merge in place, the
-general step's decisions within float32 rounding) and :mod:`kvsieve.native.column_sums` (``statistics.c``: a bf16
-prompt's column sums from the flash kernel's log-sum-exp).
+general step's decisions within float32 rounding), :mod:`kvsieve.native.column_sums` (``statistics.c``: a bf16
+prompt's column sums from the flash kernel's log-sum-exp) and :mod:`kvsieve.native.fused_attention`
+(``fused_attention.c``: a bf16 prompt's output, log-sum-exp and column sums from one set of exponentials on AMX
+tiles, for ``fuse_statistics=True``; the output within bfloat16 rounding of SDPA's).
 """
