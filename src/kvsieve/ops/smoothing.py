@@ -149,13 +149,28 @@ def adaptive_spatial_smoothing(
     top-B per query, then the average). A window with fewer than two queries, or a half without a real
     query, has no ΔD: the scores get the centred ``base`` window.
     """
-    w = indicator.shape[2]
-    half = w // 2
-    if half == 0:
+    if indicator.shape[2] // 2 == 0:
+        return drift_window_mean(smoothed, None, beta, query_valid, base, rule)
+    return drift_window_mean(smoothed, top_index_mean(indicator, k, candidates), beta, query_valid, base, rule)
+
+
+def drift_window_mean(
+    smoothed: torch.Tensor,
+    per_query: torch.Tensor | None,
+    beta: float,
+    query_valid: torch.Tensor | None = None,
+    base: int = 1,
+    rule: str = "max",
+) -> torch.Tensor:
+    """Eq. 10–13 from each window query's mean top-``k`` index ``per_query`` ``(batch, heads, w)`` (Eq. 10's inner
+    sum, :func:`top_index_mean`; None for a window of fewer than two queries, which has no ΔD):
+    :func:`adaptive_spatial_smoothing` once that sum is known."""
+    if per_query is None or per_query.shape[2] // 2 == 0:
         plain = torch.full(smoothed.shape[:2], base, dtype=torch.long, device=smoothed.device)
         return shifted_window_mean(smoothed, plain, torch.zeros_like(plain))
-    per_query = top_index_mean(indicator, k, candidates)  # (b, h, w)
-    weight = torch.ones(indicator.shape[0], w, dtype=per_query.dtype, device=per_query.device)
+    w = per_query.shape[2]
+    half = w // 2
+    weight = torch.ones(per_query.shape[0], w, dtype=per_query.dtype, device=per_query.device)
     if query_valid is not None:
         weight = query_valid.to(per_query.dtype)
     weight = weight.unsqueeze(1)

@@ -57,10 +57,17 @@ from kvsieve.core.part import (
 )
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
+from kvsieve.native.restkv_scores import window_scores
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.ops.pooling import pool_scores
-from kvsieve.ops.reconstruction import output_gram, restkv_indicator, vatp_indicator
-from kvsieve.ops.smoothing import adaptive_spatial_smoothing, ema_over_window, mean_over_window
+from kvsieve.ops.reconstruction import EPS, output_gram, restkv_indicator, vatp_indicator
+from kvsieve.ops.smoothing import (
+    adaptive_spatial_smoothing,
+    drift_window_mean,
+    ema_over_window,
+    ema_weights,
+    mean_over_window,
+)
 from kvsieve.parts.allocators.adaptive import Adaptive
 from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.scorers.base import Scorer
@@ -125,6 +132,9 @@ class OutputReconstruction(Scorer):
         prefix = step.view.positions < step.query_positions[-w]
         if step.view.valid is not None:
             prefix = prefix & step.view.valid
+        native = self._native_raw(step, rows, prefix, nominal)
+        if native is not None:
+            return native
         prefix = prefix.repeat_interleave(groups, dim=1)
         if self.order == "before":
             drift_source = self.indicators(step)
@@ -139,6 +149,35 @@ class OutputReconstruction(Scorer):
             smoothed = adaptive_spatial_smoothing(
                 smoothed, drift_source, k, prefix, self.beta, query_valid, self.kernel_size, self.width_rule
             )
+        else:
+            smoothed = pool_scores(smoothed, self.kernel_size, "avgpool")
+        return reduce_groups(smoothed.float(), step.kv_heads, "mean")
+
+    def _native_raw(self, step: LayerStep, rows: torch.Tensor, prefix: torch.Tensor, nominal: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """:meth:`raw` with the indicator, its temporal smoothing and each window query's top-``k`` mean index from one
+        C pass over the values (:mod:`kvsieve.native.restkv_scores`, within float32 rounding); None where it does not
+        apply: not on the CPU, ``order="after"`` or another indicator, padding, or a prefix that is not the same
+        leading run of entries in every head (a first prompt's)."""
+        if (step.query.device.type != "cpu" or self.order != "before" or self.indicator != "restkv"
+                or step.query_valid is not None or step.view.valid is not None):
+            return None
+        count = int(prefix[0, 0].sum())  # one host read; checked below to be every head's leading run
+        leading = torch.arange(prefix.shape[-1], device=prefix.device) < count
+        if not bool((prefix == leading).all()):
+            return None
+        w, groups = rows.shape[2], step.groups
+        weights = (ema_weights(torch.ones(1, w, dtype=torch.bool), self.alpha)[0] if self.use_ema
+                   else torch.full((w,), 1.0 / w, dtype=torch.float64)).float()
+        budgets = nominal.repeat_interleave(groups, dim=1).long().contiguous() if self.adaptive_smoothing else None
+        result = window_scores(rows.contiguous(), step.window_outputs(max(self.window, 1)).contiguous(),
+                               step.view.values, self._gram(step), weights, budgets, count, EPS)
+        if result is None:
+            return None
+        smoothed, per_query = result
+        if self.adaptive_smoothing:
+            smoothed = drift_window_mean(smoothed, per_query if w >= 2 else None, self.beta, None, self.kernel_size,
+                                         self.width_rule)
         else:
             smoothed = pool_scores(smoothed, self.kernel_size, "avgpool")
         return reduce_groups(smoothed.float(), step.kv_heads, "mean")
