@@ -275,16 +275,17 @@ def device_info(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                 "cuda": torch.version.cuda}
-    from kvsieve.native import build, column_sums, evict_lowest, fused_attention, tiered_attention
+    from kvsieve.native import build, column_sums, evict_lowest, fused_attention, restkv_scores, tiered_attention
     from kvsieve.native.dequantize import available
 
     # which of kvsieve's C helpers run here (KVSIEVE_NATIVE=0 or no compiler: PyTorch): the tiers' reads, the
     # attention passes (vector code), the in-place every-step eviction, a bf16 prompt's column sums (AVX512-BF16) and
-    # its output with the sums from one pass (AMX tiles: fuse_statistics=True)
+    # its output with the sums from one pass (AMX tiles: fuse_statistics=True), and ReST-KV's window scores (AVX-512)
     return {"type": "cpu", **cpu_info(), "native_dequantize": available(),
             "native_tiered_attention": tiered_attention._kernel() is not None,
             "native_vector_code": build.vector_code(), "native_evict_lowest": evict_lowest.available(),
-            "native_column_sums": column_sums.bf16_dot(), "native_fused_attention": fused_attention.tiles()}
+            "native_column_sums": column_sums.bf16_dot(), "native_fused_attention": fused_attention.tiles(),
+            "native_restkv_scores": restkv_scores.vector_code()}
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -16,5 +16,7 @@ place, bit for bit), :mod:`kvsieve.native.merge_lowest` (``merge.c``: EMS's ever
 general step's decisions within float32 rounding), :mod:`kvsieve.native.column_sums` (``statistics.c``: a bf16
 prompt's column sums from the flash kernel's log-sum-exp) and :mod:`kvsieve.native.fused_attention`
 (``fused_attention.c``: a bf16 prompt's output, log-sum-exp and column sums from one set of exponentials on AMX
-tiles, for ``fuse_statistics=True``; the output within bfloat16 rounding of SDPA's).
+tiles, for ``fuse_statistics=True``; the output within bfloat16 rounding of SDPA's) and
+:mod:`kvsieve.native.restkv_scores` (``reconstruction.c``: ReST-KV's indicator, temporal smoothing and top-``k`` drift
+at a prompt's compaction in one pass; within float32 rounding).
 """

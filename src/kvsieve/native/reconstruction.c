@@ -18,8 +18,9 @@
  * lowest indices are taken (torch.topk takes any of them).
  *
  * Work: o_t G per (batch item, query head); then blocks of 16 entries, one per vector lane, the values of a block
- * transposed to float32 so that each of the d dimensions is one vector (v G v' from G's upper triangle, o_t G v' for
- * every window query); then one selection (quickselect) per (batch item, query head, window query). Each part's units
+ * transposed to float32 once for the KV head's query heads so that each of the d dimensions is one vector (v G v' from
+ * G's upper triangle, o_t G v' for every window query); then one selection per (batch item, query head, window query)
+ * (a radix selection of the k-th largest: three histograms of the float's ordered bits). Each part's units
  * are shared among torch's OpenMP threads. Vector code needs AVX-512 (-march=native on a CPU with it); elsewhere the
  * function returns -1 and the caller keeps PyTorch.
  */
@@ -56,61 +57,81 @@ static inline float value_at(const void *values, int kind, int64_t index) {
     return out;
 }
 
-/* The k-th largest of a[0 ... n - 1] (1 <= k <= n), reordering a (Hoare's selection). */
-static float kth_largest(float *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    const int64_t target = k - 1;
-    while (lo < hi) {
-        const float x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
-        const float pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y)); /* the median */
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot)
-                ++i;
-            while (a[j] < pivot)
-                --j;
-            if (i <= j) {
-                const float swap = a[i];
-                a[i] = a[j];
-                a[j] = swap;
-                ++i;
-                --j;
-            }
-        }
-        if (target <= j)
-            hi = j;
-        else if (target >= i)
-            lo = i;
-        else
-            break;
-    }
-    return a[target];
+/* The values of entries j0 ... j0 + count - 1 (count <= 16) of one (batch item, KV head) as float32, transposed:
+ * v[a] holds dimension a of the sixteen entries, one per lane (zero past count). */
+static void transpose_values(const void *values, int kind, int64_t v_row, int64_t dim, int64_t j0, int64_t count,
+                             __m512 *v) {
+    float lanes[MOST_DIM][LANES] __attribute__((aligned(64)));
+    for (int64_t l = 0; l < LANES; ++l)
+        for (int64_t a = 0; a < dim; ++a)
+            lanes[a][l] = l < count ? value_at(values, kind, (j0 + l) * v_row + a) : 0.0f;
+    for (int64_t a = 0; a < dim; ++a)
+        v[a] = _mm512_load_ps(lanes[a]);
 }
 
-/* The indicator of one block of entries j0 ... j0 + count - 1 (count <= 16) of one (batch item, query head), every
- * window query's row written to indicator[t * prefix + j] and the weighted sum to smoothed[j]. */
-static void block_indicator(const void *values, int kind, int64_t v_row, int64_t dim, int64_t w, int64_t j0,
-                            int64_t count, int64_t prefix, int64_t length, const float *rows, const float *projected,
-                            const float *outputs_sq, const float *gram, const float *weights, float eps,
-                            float *indicator, float *smoothed) {
-    __m512 v[MOST_DIM];
-    for (int64_t a = 0; a < dim; ++a) {
-        float lane[LANES] __attribute__((aligned(64))) = {0};
-        for (int64_t l = 0; l < count; ++l)
-            lane[l] = value_at(values, kind, (j0 + l) * v_row + a);
-        v[a] = _mm512_load_ps(lane);
+/* v G v' of the sixteen entries in v (G symmetric, dim x dim) from G's upper triangle, four rows of G at a time:
+ * each v[c] read once for the four rows' products (two independent sums per row), so the loads do not bound the
+ * fused multiply-adds. */
+static __m512 gram_square(const __m512 *v, const float *gram, int64_t dim) {
+    __m512 square = _mm512_setzero_ps();
+    int64_t a = 0;
+    for (; a + 4 <= dim; a += 4) {
+        const float *g0 = gram + a * dim, *g1 = g0 + dim, *g2 = g1 + dim, *g3 = g2 + dim;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
+        int64_t c = a + 4;
+        for (; c + 2 <= dim; c += 2) {
+            const __m512 x = v[c], y = v[c + 1];
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c]), x, s0);
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c]), x, s1);
+            s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c]), x, s2);
+            s3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c]), x, s3);
+            t0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c + 1]), y, t0);
+            t1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c + 1]), y, t1);
+            t2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c + 1]), y, t2);
+            t3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c + 1]), y, t3);
+        }
+        for (; c < dim; ++c) {
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c]), v[c], s0);
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c]), v[c], s1);
+            s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c]), v[c], s2);
+            s3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c]), v[c], s3);
+        }
+        /* the four rows' own corner of the triangle */
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 1]), v[a + 1], s0);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 2]), v[a + 2], s0);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 3]), v[a + 3], s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[a + 2]), v[a + 2], s1);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[a + 3]), v[a + 3], s1);
+        s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[a + 3]), v[a + 3], s2);
+        const __m512 two = _mm512_set1_ps(2.0f);
+        const __m512 off[4] = {_mm512_add_ps(s0, t0), _mm512_add_ps(s1, t1), _mm512_add_ps(s2, t2),
+                               _mm512_add_ps(s3, t3)};
+        const float diagonal[4] = {g0[a], g1[a + 1], g2[a + 2], g3[a + 3]};
+        for (int i = 0; i < 4; ++i) {
+            const __m512 inner = _mm512_fmadd_ps(two, off[i], _mm512_mul_ps(_mm512_set1_ps(diagonal[i]), v[a + i]));
+            square = _mm512_fmadd_ps(v[a + i], inner, square);
+        }
     }
+    for (; a < dim; ++a) { /* the last rows (dim not a multiple of 4) */
+        const float *g = gram + a * dim;
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t c = a + 1; c < dim; ++c)
+            off = _mm512_fmadd_ps(_mm512_set1_ps(g[c]), v[c], off);
+        const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), off, _mm512_mul_ps(_mm512_set1_ps(g[a]), v[a]));
+        square = _mm512_fmadd_ps(v[a], inner, square);
+    }
+    return square;
+}
+
+/* The indicator of one block of entries j0 ... j0 + count - 1 (count <= 16, their values transposed in v) for one
+ * (batch item, query head): every window query's row written to indicator[t * prefix + j], the weighted sum to
+ * smoothed[j]. */
+static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0, int64_t count, int64_t prefix,
+                            int64_t length, const float *rows, const float *projected, const float *outputs_sq,
+                            const float *gram, const float *weights, float eps, float *indicator, float *smoothed) {
     __m512 square = _mm512_setzero_ps(); /* v G v' */
     if (gram) {
-        for (int64_t a = 0; a < dim; ++a) {
-            const float *g = gram + a * dim;
-            __m512 inner = _mm512_mul_ps(_mm512_set1_ps(g[a]), v[a]);
-            __m512 off = _mm512_setzero_ps();
-            for (int64_t c = a + 1; c < dim; ++c)
-                off = _mm512_fmadd_ps(_mm512_set1_ps(g[c]), v[c], off);
-            inner = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), off, inner);
-            square = _mm512_fmadd_ps(v[a], inner, square);
-        }
+        square = gram_square(v, gram, dim);
     } else {
         for (int64_t a = 0; a < dim; ++a)
             square = _mm512_fmadd_ps(v[a], v[a], square);
@@ -123,9 +144,15 @@ static void block_indicator(const void *values, int kind, int64_t v_row, int64_t
         __m512 cross[8];
         for (int i = 0; i < 8; ++i)
             cross[i] = _mm512_setzero_ps();
-        for (int64_t a = 0; a < dim; ++a)
-            for (int64_t i = 0; i < span; ++i)
-                cross[i] = _mm512_fmadd_ps(_mm512_set1_ps(projected[(t0 + i) * dim + a]), v[a], cross[i]);
+        if (span == 8) {
+            for (int64_t a = 0; a < dim; ++a)
+                for (int i = 0; i < 8; ++i)
+                    cross[i] = _mm512_fmadd_ps(_mm512_set1_ps(projected[(t0 + i) * dim + a]), v[a], cross[i]);
+        } else {
+            for (int64_t a = 0; a < dim; ++a)
+                for (int64_t i = 0; i < span; ++i)
+                    cross[i] = _mm512_fmadd_ps(_mm512_set1_ps(projected[(t0 + i) * dim + a]), v[a], cross[i]);
+        }
         for (int64_t i = 0; i < span; ++i) {
             const int64_t t = t0 + i;
             /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
@@ -140,6 +167,62 @@ static void block_indicator(const void *values, int kind, int64_t v_row, int64_t
         }
     }
     _mm512_mask_storeu_ps(smoothed + j0, present, total);
+}
+
+/* A float32's bits as an unsigned key in the same order (negative numbers' bits reversed), without a branch. */
+static inline uint32_t order_key(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint32_t negative = (uint32_t)((int32_t)bits >> 31);
+    return bits ^ (negative | 0x80000000u);
+}
+
+/* The mean index of the k largest of scores[0 ... n - 1] (1 <= k < n; ties at the k-th value: the lowest indices):
+ * a radix selection of the k-th largest key (its top 11 bits from a histogram of all n keys, then the keys in that
+ * bin alone, gathered into `bin_keys`, for the next 11 and the last 10), then one pass summing the indices above it.
+ * `keys` and `bin_keys` have room for n. */
+static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t *keys, uint32_t *bin_keys) {
+    uint32_t count[2048];
+    memset(count, 0, sizeof count);
+    for (int64_t j = 0; j < n; ++j)
+        keys[j] = order_key(scores[j]);
+    for (int64_t j = 0; j < n; ++j)
+        ++count[keys[j] >> 21];
+    int64_t need = k;
+    int bin = 2047;
+    while (count[bin] < need) /* the bin holding the k-th largest */
+        need -= count[bin--];
+    uint32_t prefix = (uint32_t)bin << 21;
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; ++j) { /* the bin's keys, without a branch */
+        bin_keys[m] = keys[j];
+        m += (keys[j] >> 21) == (uint32_t)bin;
+    }
+    const int shifts[2] = {10, 0}, widths[2] = {11, 10};
+    uint32_t mask = 0xFFE00000u;
+    for (int pass = 0; pass < 2; ++pass) {
+        const int shift = shifts[pass], bins = 1 << widths[pass];
+        memset(count, 0, (size_t)bins * sizeof count[0]);
+        for (int64_t i = 0; i < m; ++i)
+            if ((bin_keys[i] & mask) == prefix)
+                ++count[(bin_keys[i] >> shift) & (uint32_t)(bins - 1)];
+        bin = bins - 1;
+        while (count[bin] < need)
+            need -= count[bin--];
+        prefix |= (uint32_t)bin << shift;
+        mask |= (uint32_t)(bins - 1) << shift;
+    }
+    const uint32_t threshold = prefix; /* the k-th largest key; `need` of its ties are taken, the lowest first */
+    int64_t sum = 0, above = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t over = keys[j] > threshold;
+        sum += over * j;
+        above += over;
+    }
+    for (int64_t j = 0; j < n && above < k; ++j)
+        if (keys[j] == threshold)
+            sum += j, ++above;
+    return (float)sum / (float)k;
 }
 #endif
 
@@ -191,49 +274,42 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         memset(smoothed + row * length + prefix, 0, (size_t)(length - prefix) * 4);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < heads * chunks; ++u) { /* the indicator, block by block */
-        const int64_t row = u / chunks, chunk = u % chunks, b = row / q_heads, h = row % q_heads;
-        const void *v = kind == 0 ? (const void *)((const float *)values + b * v_batch + (h / groups) * v_head)
-                                  : (const void *)((const uint16_t *)values + b * v_batch + (h / groups) * v_head);
+    for (int64_t u = 0; u < batch * kv_heads * chunks; ++u) { /* the indicator, block by block */
+        const int64_t pair = u / chunks, chunk = u % chunks, b = pair / kv_heads, g = pair % kv_heads;
+        const void *v = kind == 0 ? (const void *)((const float *)values + b * v_batch + g * v_head)
+                                  : (const void *)((const uint16_t *)values + b * v_batch + g * v_head);
         const int64_t end = (chunk + 1) * CHUNK < prefix ? (chunk + 1) * CHUNK : prefix;
-        for (int64_t j0 = chunk * CHUNK; j0 < end; j0 += LANES)
-            block_indicator(v, kind, v_row, dim, w, j0, end - j0 < LANES ? end - j0 : LANES, prefix, length,
-                            rows + row * w * length, projected + row * w * dim, outputs_sq + row * w,
-                            gram ? gram + h * dim * dim : NULL, weights, eps, indicator + row * w * prefix,
-                            smoothed + row * length);
+        __m512 transposed[MOST_DIM];
+        for (int64_t j0 = chunk * CHUNK; j0 < end; j0 += LANES) {
+            const int64_t count = end - j0 < LANES ? end - j0 : LANES;
+            transpose_values(v, kind, v_row, dim, j0, count, transposed); /* once for the group's query heads */
+            for (int64_t h = g * groups; h < (g + 1) * groups; ++h) {
+                const int64_t row = b * q_heads + h;
+                block_indicator(transposed, dim, w, j0, count, prefix, length, rows + row * w * length,
+                                projected + row * w * dim, outputs_sq + row * w, gram ? gram + h * dim * dim : NULL,
+                                weights, eps, indicator + row * w * prefix, smoothed + row * length);
+            }
+        }
     }
     if (budgets) {
-        float *copy = malloc((size_t)(prefix > 0 ? prefix : 1) * 4);
-        if (!copy) {
+        const int64_t room = prefix > 0 ? prefix : 1;
+        uint32_t *keys = malloc((size_t)room * 8), *bin_keys = keys ? keys + room : NULL;
+        if (!keys) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < heads * w; ++u) { /* each window query's top-k mean index */
-            if (!copy)
+            if (!keys)
                 continue;
             const int64_t row = u / w, t = u % w, k = budgets[row];
             float mean = 0.0f;
-            if (k > 0 && prefix > 0) {
-                const float *scores = indicator + (row * w + t) * prefix;
-                if (k >= prefix) { /* fewer candidates than k: all of them */
-                    mean = (float)(prefix * (prefix - 1) / 2) / (float)prefix;
-                } else {
-                    memcpy(copy, scores, (size_t)prefix * 4);
-                    const float threshold = kth_largest(copy, prefix, k);
-                    int64_t sum = 0, taken = 0;
-                    for (int64_t j = 0; j < prefix; ++j)
-                        if (scores[j] > threshold)
-                            sum += j, ++taken;
-                    for (int64_t j = 0; j < prefix && taken < k; ++j)
-                        if (scores[j] == threshold)
-                            sum += j, ++taken;
-                    mean = (float)sum / (float)k;
-                }
-            }
+            if (k > 0 && prefix > 0)
+                mean = k >= prefix ? (float)(prefix * (prefix - 1) / 2) / (float)prefix /* all of them */
+                                   : top_mean_index(indicator + (row * w + t) * prefix, prefix, k, keys, bin_keys);
             per_query[u] = mean;
         }
-        free(copy);
+        free(keys);
     }
     }
     free(projected), free(outputs_sq), free(indicator);

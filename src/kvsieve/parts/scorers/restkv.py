@@ -37,7 +37,9 @@ entries left out, no renormalisation) and ``s_j = a_j / (1 - a_j) · ‖(o - v_j
 Only entries before the window (Eq. 8's ``n < t - S_w``) compete: window entries get 0 before smoothing
 (as in SnapKV's reference code). Extra cost over SnapKV: ``o_t`` from the window rows already computed,
 the per-head ``d×d`` Gram of ``W_O^h`` and one ``(w×d)·(d×L)`` product per head —
-``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``.
+``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``. On the CPU a prompt without padding takes steps 1–3's indicator,
+temporal smoothing and each window query's top-``B`` mean index from one C pass over the values
+(:mod:`kvsieve.native.restkv_scores`, within float32 rounding of the PyTorch path, which stays the reference).
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""ReST-KV's window scores from one C pass (``kvsieve.native.restkv_scores``) against the PyTorch path they replace:
+the indicator of Eq. 7 smoothed over the window (Eq. 9's EMA weights, or the mean) within float32 rounding of
+:func:`~kvsieve.ops.reconstruction.restkv_indicator` followed by the window's weighted sum, and each window query's mean
+top-``k`` index equal to :func:`~kvsieve.ops.smoothing.top_index_mean`'s; in a model, the restkv scorer's scores
+within float32 rounding of the PyTorch path's and the same kept entries, on every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ALL_ARCHS, build_model
+from helpers import all_kept_positions, prompt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvsieve
+from kvsieve.native import restkv_scores
+from kvsieve.native.restkv_scores import window_scores
+from kvsieve.ops.reconstruction import EPS, restkv_indicator
+from kvsieve.ops.smoothing import ema_weights, top_index_mean
+from kvsieve.parts.scorers import restkv as restkv_scorer
+from kvsieve.transformers_adapter import cache_kwargs
+
+pytestmark = pytest.mark.skipif(not restkv_scores.vector_code(), reason="no AVX-512 in this build")
+
+
+def _inputs(batch, kv_heads, groups, w, length, dim, dtype, seed, projected=True):
+    generator = torch.Generator().manual_seed(seed)
+    q_heads = kv_heads * groups
+    # attention well below 1: where A → 1 the expansion o G oᵀ − 2 o G vᵀ + v G vᵀ cancels in both paths (documented
+    # in kvsieve.ops.reconstruction.output_distances), and A / (1 − A) magnifies their different rounding
+    logits = torch.randn(batch, q_heads, w, length, generator=generator)
+    rows = logits.softmax(-1).contiguous()
+    values = torch.randn(batch, length, kv_heads, dim, generator=generator).to(dtype).transpose(1, 2)
+    outputs = torch.matmul(rows.view(batch, kv_heads, groups * w, length), values.float()).view(batch, q_heads, w, dim)
+    gram = None
+    if projected:
+        factor = torch.randn(q_heads, dim, 2 * dim, generator=generator) / dim
+        gram = (factor @ factor.transpose(1, 2)).contiguous()
+    return rows, outputs.contiguous(), values, gram
+
+
+def _reference(rows, outputs, values, gram, weights, budgets, prefix):
+    indicator = restkv_indicator(rows, outputs, values, gram)  # (b, q_heads, w, L)
+    smoothed = torch.einsum("t,bhtl->bhl", weights, indicator)
+    smoothed[..., prefix:] = 0.0
+    candidates = (torch.arange(rows.shape[-1]) < prefix).expand(rows.shape[0], rows.shape[1], -1)
+    per_query = top_index_mean(indicator, budgets, candidates) if budgets is not None else None
+    return smoothed, per_query
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.integers(1, 3), w=st.integers(1, 40),
+       length=st.integers(4, 300), dim=st.sampled_from([2, 7, 16, 64, 96, 128]), bf16=st.booleans(),
+       projected=st.booleans(), ema=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_scores_and_drift_match_the_pytorch_path(batch, kv_heads, groups, w, length, dim, bf16, projected, ema, seed,
+                                                  data):
+    rows, outputs, values, gram = _inputs(batch, kv_heads, groups, w, length, dim,
+                                          torch.bfloat16 if bf16 else torch.float32, seed, projected)
+    prefix = data.draw(st.integers(0, length))
+    budgets = torch.tensor(data.draw(st.lists(st.integers(0, length + 2), min_size=batch * kv_heads * groups,
+                                              max_size=batch * kv_heads * groups))).view(batch, -1)
+    weights = (ema_weights(torch.ones(1, w, dtype=torch.bool), 0.3)[0] if ema
+               else torch.full((w,), 1.0 / w, dtype=torch.float64)).float()
+    result = window_scores(rows, outputs, values, gram, weights, budgets, prefix, EPS)
+    assert result is not None
+    smoothed, per_query = result
+    expected, expected_per_query = _reference(rows, outputs, values, gram, weights, budgets, prefix)
+    torch.testing.assert_close(smoothed, expected, rtol=2e-5, atol=1e-7)
+    torch.testing.assert_close(per_query, expected_per_query, rtol=0, atol=0)
+
+
+def test_ties_at_the_kth_value_take_the_lowest_indices():
+    """Equal indicators (the same attention and value at several entries): the mean counts the lowest of them."""
+    rows = torch.full((1, 1, 2, 10), 0.1)
+    rows[0, 0, :, 7] = 0.3  # entry 7 above the rest, which all tie
+    outputs = torch.zeros(1, 1, 2, 4)
+    values = torch.ones(1, 1, 10, 4)
+    weights = torch.tensor([0.5, 0.5])
+    _, per_query = window_scores(rows, outputs, values, None, weights, torch.tensor([[3]]), 10, EPS)
+    assert per_query.equal(torch.full((1, 1, 2), (7 + 0 + 1) / 3))
+
+
+def test_what_it_does_not_take_is_declined():
+    rows, outputs, values, gram = _inputs(1, 2, 2, 4, 30, 16, torch.float32, seed=0)
+    weights = torch.full((4,), 0.25)
+    budgets = torch.full((1, 4), 5)
+    assert window_scores(rows, outputs, values, gram, weights, budgets, 20, EPS) is not None
+    assert window_scores(rows, outputs, values.half(), gram, weights, budgets, 20, EPS) is None
+    assert window_scores(rows.double(), outputs, values, gram, weights, budgets, 20, EPS) is None
+    assert window_scores(rows, outputs, values, gram, weights, budgets, 31, EPS) is None  # prefix past the entries
+    assert window_scores(rows, outputs, values, gram[:, :8], weights, budgets, 20, EPS) is None
+    assert window_scores(rows, outputs, values, gram, weights[:3], budgets, 20, EPS) is None
+    assert window_scores(rows.transpose(2, 3).contiguous().transpose(2, 3), outputs, values, gram, weights, budgets,
+                         20, EPS) is None  # not contiguous
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.parametrize("params", [{"window": 8}, {"window": 8, "use_ema": False, "use_output_projection": False},
+                                    {"window": 8, "adaptive_smoothing": False}, {"window": 1}])
+def test_restkv_in_a_model_keeps_what_the_pytorch_path_keeps(arch, params, monkeypatch):
+    """Every layer that takes the pass scores within float32 rounding of the PyTorch path, and the same entries are
+    kept; the pass is taken wherever a prompt compacts without padding."""
+    model = build_model(arch)
+    ids = prompt(2, 90, seed=3)
+    taken, diffs = [], []
+    original_raw = restkv_scorer.OutputReconstruction.raw
+
+    def compared(self, step, nominal):
+        native = self._native_raw(step, step.window_rows(max(self.window, 1)),
+                                  step.view.positions < step.query_positions[-step.window_rows(max(self.window, 1))
+                                                                             .shape[2]], nominal)
+        taken.append(native is not None)
+        with monkeypatch.context() as patch:
+            patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            reference = original_raw(self, step, nominal)
+        if native is not None:
+            diffs.append(float((native - reference).abs().max() / reference.abs().max().clamp(min=1e-30)))
+        return original_raw(self, step, nominal)
+
+    kept = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if native:
+                patch.setattr(restkv_scorer.OutputReconstruction, "raw", compared)
+            else:
+                patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            cache = kvsieve.KVCache(model, "restkv", budget=24, **params)
+            with torch.inference_mode():
+                model(ids, **cache_kwargs(model, cache))
+            cache.flush()
+            kept.append([positions.tolist() for *_, positions in all_kept_positions(cache)])
+    assert taken and all(taken)
+    assert max(diffs) < 1e-5
+    assert kept[0] == kept[1]
