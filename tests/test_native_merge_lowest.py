@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ARCHS, EAGER_ARCHS, build_model
+from conftest import _COMMON, ALL_ARCHS, EAGER_ARCHS, build_model
 from helpers import decode_loop, prompt
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvsieve
 from kvsieve.cache.store import LayerStore
@@ -22,7 +23,7 @@ STEPS = 14
 
 
 def _decode(arch: str, dtype: torch.dtype, batch: int, in_place: bool, monkeypatch, budget: int = 24,
-            params: dict | None = None, near: float | None = None):
+            params: dict | None = None, near: float | None = None, model: torch.nn.Module | None = None):
     """Greedy decoding under ``ems`` with ``schedule="decode"``, the pass on or off: tokens, logits, each managed
     layer's held state, the counters, and what ``merge_lowest`` returned at each call."""
     results: list[bool | None] = []
@@ -36,7 +37,7 @@ def _decode(arch: str, dtype: torch.dtype, batch: int, in_place: bool, monkeypat
     monkeypatch.setattr(LayerStore, "merge_lowest", spy)
     monkeypatch.setattr(MergeInPlace, "applies", staticmethod(lambda policy: in_place and type(policy.action)
                                                               .__name__ == "EvictThenMerge"))
-    model = build_model(arch).to(dtype)
+    model = (model if model is not None else build_model(arch)).to(dtype)
     cache = kvsieve.KVCache(model, "ems", budget=budget, schedule="decode", **{"window": 8, **(params or {})})
     tokens, logits = decode_loop(model, cache, prompt(batch, 40, seed=5), STEPS)
     state = []
@@ -163,3 +164,20 @@ def test_only_emss_own_parts_take_the_pass():
     assert not merges(action=OtherMerge())
     assert not merges(scorer=OtherScore())
     assert not merges(allocator="pyramid")  # a budget per layer from the allocator's arithmetic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("params", [{}, {"tau": -1.0}], ids=["default", "always-merge"])
+def test_wide_heads_make_the_general_steps_decisions(dtype, params, monkeypatch):
+    """64-dimensional heads: the redundancy's AVX-512 loops run over whole registers of rotary pairs and values (the
+    shared tiny models' 16-dimensional heads take only its tails)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**_COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "head_dim": 64}, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    with torch.inference_mode():
+        fast = _decode("llama", dtype, 2, True, monkeypatch, params=params, model=model)
+        general = _decode("llama", dtype, 2, False, monkeypatch, params=params, model=model)
+    assert fast[4].count(True) >= 0.8 * (len(fast[4]) - 1) > 0
+    assert any(bool((extras[MERGE_COUNT] > 1).any()) for *_, extras in fast[2])
+    _assert_same_decisions(fast, general, dtype)
