@@ -29,7 +29,8 @@
  * order, so the scores and the merged rows are the general step's within float32 rounding, not bit for bit. The decisions
  * are kept equal: where the lowest two scores, the best two redundancies or the best one and tau lie within a margin
  * far above that rounding (NEAR), the call returns 1 after the observation with nothing moved, and the general step
- * plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries.
+ * plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries,
+ * except the redundancy, which runs on AVX-512 registers where the build has them (the same arithmetic, bit for bit).
  */
 #include <math.h>
 #include <stdint.h>
