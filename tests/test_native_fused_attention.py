@@ -20,18 +20,24 @@ from kvsieve.native import fused_attention
 from kvsieve.native.fused_attention import causal_attention_with_column_sums
 from kvsieve.transformers_adapter import cache_kwargs
 
-pytestmark = pytest.mark.skipif(not fused_attention.tiles(), reason="no AMX-BF16 tiles in this build")
+TILES = pytest.mark.skipif(not fused_attention.tiles(), reason="no AMX-BF16 tiles in this build")
+VECTORS = pytest.mark.skipif(not fused_attention.vector_code(), reason="no AVX-512 in this build")
+#: Each dtype's pass, and what it needs.
+DTYPES = [pytest.param(torch.bfloat16, marks=TILES, id="bf16"), pytest.param(torch.float32, marks=VECTORS, id="f32")]
+#: The bound on each output element's error over ``|exact| + max|v|``: bfloat16's rounding of the result and of the
+#: probabilities, or float32's.
+BOUND = {torch.bfloat16: 2.0**-9, torch.float32: 2.0**-18}
 
 
-def _inputs(batch, kv_heads, groups, n, dim, seed, spread=1.0, strided=True):
-    """bfloat16 queries ``(batch, q_heads, n, d)`` and keys/values ``(batch, kv_heads, n, d)``: by default strided as a
-    model's projections leave them (``(batch, n, heads, d)`` transposed)."""
+def _inputs(batch, kv_heads, groups, n, dim, seed, spread=1.0, strided=True, dtype=torch.bfloat16):
+    """Queries ``(batch, q_heads, n, d)`` and keys/values ``(batch, kv_heads, n, d)`` in ``dtype``: by default strided
+    as a model's projections leave them (``(batch, n, heads, d)`` transposed)."""
     generator = torch.Generator().manual_seed(seed)
 
     def make(heads, scale):
         if strided:
-            return (torch.randn(batch, n, heads, dim, generator=generator) * scale).bfloat16().transpose(1, 2)
-        return (torch.randn(batch, heads, n, dim, generator=generator) * scale).bfloat16()
+            return (torch.randn(batch, n, heads, dim, generator=generator) * scale).to(dtype).transpose(1, 2)
+        return (torch.randn(batch, heads, n, dim, generator=generator) * scale).to(dtype)
 
     return make(kv_heads * groups, spread), make(kv_heads, 1.0), make(kv_heads, 2.0)
 
@@ -48,11 +54,14 @@ def _check(query, keys, values, scaling):
     logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     probs = logits.softmax(-1)
     exact = (probs @ values64).transpose(1, 2)  # (batch, n, q_heads, d)
-    assert output.shape == (batch, n, q_heads, dim) and output.dtype == torch.bfloat16
+    assert output.shape == (batch, n, q_heads, dim) and output.dtype == query.dtype
     largest_value = values64.abs().amax(dim=(2, 3))[:, None, :, None]
-    assert ((output.double() - exact).abs() <= 2.0**-9 * (exact.abs() + largest_value)).all()
-    torch.testing.assert_close(logsumexp.double(), logits.logsumexp(-1), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(sums.double(), probs.sum(dim=2), rtol=2e-6, atol=1e-7)
+    assert ((output.double() - exact).abs() <= BOUND[query.dtype] * (exact.abs() + largest_value)).all()
+    # bfloat16 products are exact in float32; float32 ones round, and a logit's rounding is its probability's relative
+    # error (as in the PyTorch softmax pass)
+    rtol = 2e-6 if query.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(logsumexp.double(), logits.logsumexp(-1), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(sums.double(), probs.sum(dim=2), rtol=rtol, atol=1e-7)
     return output
 
 
@@ -64,16 +73,19 @@ def _check(query, keys, values, scaling):
     (1, 1, 1, 1000, 64),  # many rounds of 64 keys
     (1, 1, 1, 2, 256),
 ])
-def test_output_logsumexp_and_sums_match_the_float64_reference(batch, kv_heads, groups, n, dim):
-    query, keys, values = _inputs(batch, kv_heads, groups, n, dim, seed=n)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_logsumexp_and_sums_match_the_float64_reference(batch, kv_heads, groups, n, dim, dtype):
+    query, keys, values = _inputs(batch, kv_heads, groups, n, dim, seed=n, dtype=dtype)
     output = _check(query, keys, values, dim**-0.5)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         query, keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1), is_causal=True,
         scale=dim**-0.5).transpose(1, 2)
-    # not SDPA's bit for bit (the probabilities round to bfloat16 at other points), but within its rounding
-    torch.testing.assert_close(output.float(), sdpa.float(), rtol=2**-7, atol=2**-7)
+    # not SDPA's bit for bit (the probabilities round at other points), but within its rounding
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(output.float(), sdpa.float(), rtol=tolerance, atol=tolerance)
 
 
+@TILES
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.integers(1, 3), n=st.integers(1, 300),
        dim=st.sampled_from([32, 64, 96, 128, 256]), spread=st.floats(0.1, 4.0), strided=st.booleans(),
@@ -84,34 +96,51 @@ def test_any_shape_matches_the_reference(batch, kv_heads, groups, n, dim, spread
     _check(query, keys, values, dim**-0.5)
 
 
+@VECTORS
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.integers(1, 3), n=st.integers(1, 300),
+       dim=st.sampled_from([16, 48, 64, 80, 128, 256]), spread=st.floats(0.1, 4.0), strided=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_any_float32_shape_matches_the_reference(batch, kv_heads, groups, n, dim, spread, strided, seed):
+    """The float32 pass (head sizes that are multiples of 16) likewise."""
+    query, keys, values = _inputs(batch, kv_heads, groups, n, dim, seed, spread, strided, torch.float32)
+    _check(query, keys, values, dim**-0.5)
+
+
+@TILES
+@VECTORS
 def test_what_it_does_not_take_is_declined():
     query, keys, values = _inputs(1, 2, 2, 40, 64, seed=0)
     assert causal_attention_with_column_sums(query, keys, values, 0.125) is not None
     assert causal_attention_with_column_sums(query.half(), keys.half(), values.half(), 0.125) is None
-    assert causal_attention_with_column_sums(query.float(), keys.float(), values.float(), 0.125) is None
-    for dim in (16, 48, 288):  # not a multiple of 32, or above 256
+    assert causal_attention_with_column_sums(query.double(), keys.double(), values.double(), 0.125) is None
+    assert causal_attention_with_column_sums(query.float(), keys, values, 0.125) is None  # mixed dtypes
+    for dim in (16, 48, 288):  # bfloat16: not a multiple of 32, or above 256
         assert causal_attention_with_column_sums(*_inputs(1, 2, 2, 40, dim, seed=0), 0.125) is None
+    for dim in (24, 272):  # float32: not a multiple of 16, or above 256
+        assert causal_attention_with_column_sums(*_inputs(1, 2, 2, 40, dim, seed=0, dtype=torch.float32), 0.125) is None
     assert causal_attention_with_column_sums(query, keys[:, :, :30], values[:, :, :30], 0.125) is None
     assert causal_attention_with_column_sums(query[:, :3], keys, values, 0.125) is None  # 3 over 2 KV heads
     assert causal_attention_with_column_sums(query, keys, values[..., :32], 0.125) is None
 
 
-def _model(arch: str) -> torch.nn.Module:
-    """A tiny bfloat16 model whose heads have 32 dimensions (the tiles' multiple; the shared tiny models have 16)."""
+def _model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny model whose heads have 32 dimensions (the tiles' multiple; the shared tiny models have 16)."""
     common = {**_COMMON, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
               "sliding_window": None}
     config, cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                    "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     torch.manual_seed(0)
-    return cls(config(**common, attn_implementation="sdpa")).eval().to(torch.bfloat16)
+    return cls(config(**common, attn_implementation="sdpa")).eval().to(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("policy", ["h2o", "ems"])
-def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, monkeypatch):
+def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, dtype, monkeypatch):
     """``fuse_statistics=True`` takes the pass in every layer; the logits are within bfloat16 rounding of the unfused
     prefill's (SDPA and the flash route's sums); the first layer keeps the same entries, the others nearly all."""
-    model = _model(arch)
+    model = _model(arch, dtype)
     ids = prompt(2, 150, seed=7)
     calls: list[bool] = []
 
@@ -130,7 +159,8 @@ def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, mon
         cache.flush()
         runs.append((logits.float(), [positions.tolist() for *_, positions in all_kept_positions(cache)]))
     assert calls == [True] * model.config.num_hidden_layers
-    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0.05, atol=0.05)
+    tolerance = 0.05 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=tolerance, atol=tolerance)
     # the first layer sees the same inputs either way: the same entries (its sums differ by float32 rounding); later
     # layers see inputs that differ by bfloat16 rounding, so a near tie may fall the other way
     first_layer = len(runs[0][1]) // model.config.num_hidden_layers

@@ -69,11 +69,12 @@ def flash_attention_and_column_sums(
 
 
 def plain_causal_prompt(query: torch.Tensor, keys: torch.Tensor, visibility: object, form: AttentionForm,
-                        query_weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    """Whether this forward is what the flash routes take: a bfloat16/float16 causal prompt of at least two queries
-    on the CPU over its own entries only (an empty store before it), no padding, no sliding window, no soft-capping,
-    sinks, bias or query weights."""
-    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16) and not form.explicit
+                        query_weight: torch.Tensor | None, bias: torch.Tensor | None,
+                        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> bool:
+    """Whether this forward is what the flash routes take: a causal prompt of at least two queries in one of
+    ``dtypes`` on the CPU over its own entries only (an empty store before it), no padding, no sliding window, no
+    soft-capping, sinks, bias or query weights."""
+    return (query.device.type == "cpu" and query.dtype in dtypes and not form.explicit
             and bias is None and query_weight is None and isinstance(visibility, Visibility)
             and visibility.first_query == 0 and visibility.key_valid is None and visibility.sliding_window is None
             and query.shape[2] == keys.shape[2] and query.shape[2] >= 2)
@@ -86,12 +87,14 @@ def fused_attention_and_column_sums(
                      tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The output ``(batch, q, q_heads, d)`` and column sums ``(batch, q_heads, n)`` of the same prompts as
-    :func:`flash_attention_and_column_sums` from ``kernel(query, keys, values, scaling)`` — one pass computing both,
+    :func:`flash_attention_and_column_sums`, float32 ones too, from ``kernel(query, keys, values, scaling)`` — one
+    pass computing both,
     whose output is its own, not SDPA's (the CPU's AMX pass, :mod:`kvsieve.native.fused_attention`, which this layer
     does not import; it returns ``(output, logsumexp, sums)`` or None). None where this route does not apply or the
     kernel declines."""
     form = as_form(form)
-    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias):
+    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias,
+                               (torch.bfloat16, torch.float16, torch.float32)):
         return None
     result = kernel(query, keys, values, form.scaling)
     if result is None:

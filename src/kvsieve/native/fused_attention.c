@@ -34,9 +34,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__linux__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define KVSIEVE_AVX512 1
+#else
+#define KVSIEVE_AVX512 0
+#endif
+#if KVSIEVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define KVSIEVE_AMX 1
@@ -60,6 +64,94 @@ int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
 /* Whether the build has the AMX tiles this pass needs. */
 int kvsieve_fused_attention_tiles(void) { return KVSIEVE_AMX; }
+
+/* Whether the build has the AVX-512 the float32 pass needs. */
+int kvsieve_fused_attention_vector_code(void) { return KVSIEVE_AVX512; }
+
+#if KVSIEVE_AVX512
+/* 2^x (statistics.c's polynomial): 2^n by scalef times the degree-6 Taylor polynomial of 2^f, |f| <= 1/2. */
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The lanes of the block at key j0 that query t sees (j0 + l <= t). */
+static inline __mmask16 seen_by(int64_t t, int64_t j0) {
+    const int64_t last = t - j0;
+    if (last < 0)
+        return 0;
+    return last >= KEYS - 1 ? (__mmask16)0xFFFFu : (__mmask16)((1u << (last + 1)) - 1u);
+}
+
+/* Each of the unit's queries t0 + r (r < rows) from its logits (row r at logits + r * stride, float32): its exact
+ * maximum over the keys it sees, one exponential per logit it sees (zero past it, up to span), written back in place
+ * and, where probs is given, rounded to bfloat16 at probs + r * narrow; inverse[r] = 1 / its total, lse[r] its
+ * log-sum-exp. The rows from `rows` to 15 are zeroed (inverse 0). */
+static void softmax_rows(float *logits, int64_t stride, uint16_t *probs, int64_t narrow, int64_t t0, int64_t rows,
+                         int64_t span, float scaling, float *inverse, float *lse) {
+    const __m512 scale = _mm512_set1_ps(scaling * LOG2E);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        float *row = logits + r * stride;
+        if (r >= rows) { /* a query past n: nothing seen */
+            memset(row, 0, (size_t)span * 4);
+            if (probs)
+                memset(probs + r * narrow, 0, (size_t)span * 2);
+            inverse[r] = 0.0f;
+            continue;
+        }
+        const int64_t t = t0 + r;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j <= t; j += KEYS)
+            most = _mm512_mask_max_ps(most, seen_by(t, j), most, _mm512_load_ps(row + j));
+        const float maximum = _mm512_reduce_max_ps(most);
+        const __m512 shift = _mm512_set1_ps(maximum * scaling * LOG2E);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < span; j += KEYS) {
+            const __mmask16 seen = seen_by(t, j);
+            const __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_fmsub_ps(_mm512_load_ps(row + j), scale,
+                                                                                shift)));
+            total = _mm512_add_ps(total, p);
+            _mm512_store_ps(row + j, p);
+#ifdef __AVX512BF16__
+            if (probs)
+                _mm256_store_si256((__m256i *)(probs + r * narrow + j), (__m256i)_mm512_cvtneps_pbh(p));
+#endif
+        }
+        const float sum = _mm512_reduce_add_ps(total);
+        inverse[r] = 1.0f / sum;
+        lse[r] = maximum * scaling + logf(sum);
+    }
+}
+
+/* The unit's share of the sums: each key's probabilities over its queries, each divided by its query's total, added
+ * to the row's sums under that row's lock (units of one row run on different threads). */
+static void add_column_sums(const float *probs, int64_t stride, const float *inverse, int64_t rows, int64_t seen_keys,
+                            float *sums, void *lock) {
+#ifdef _OPENMP
+    omp_set_lock((omp_lock_t *)lock);
+#else
+    (void)lock;
+#endif
+    for (int64_t j = 0; j < seen_keys; j += KEYS) {
+        __m512 column = _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r)
+            column = _mm512_fmadd_ps(_mm512_load_ps(probs + r * stride + j), _mm512_set1_ps(inverse[r]), column);
+        const __mmask16 inside = seen_keys - j >= KEYS ? (__mmask16)0xFFFFu : (__mmask16)((1u << (seen_keys - j)) - 1u);
+        _mm512_mask_storeu_ps(sums + j, inside, _mm512_add_ps(_mm512_maskz_loadu_ps(inside, sums + j), column));
+    }
+#ifdef _OPENMP
+    omp_unset_lock((omp_lock_t *)lock);
+#endif
+}
+#endif
 
 #if KVSIEVE_AMX
 typedef struct {
@@ -86,28 +178,6 @@ static void shape_tiles(void) {
         shape.rows[tile] = 16;
     }
     _tile_loadconfig(&shape);
-}
-
-/* 2^x (statistics.c's polynomial): 2^n by scalef times the degree-6 Taylor polynomial of 2^f, |f| <= 1/2. */
-static inline __m512 exp2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The lanes of the block at key j0 that query t sees (j0 + l <= t). */
-static inline __mmask16 seen_by(int64_t t, int64_t j0) {
-    const int64_t last = t - j0;
-    if (last < 0)
-        return 0;
-    return last >= KEYS - 1 ? (__mmask16)0xFFFFu : (__mmask16)((1u << (last + 1)) - 1u);
 }
 
 /* The keys of one (batch item, KV head) as the tiles' second operand of q.k: blocks of 16 keys, each block's dimension
@@ -183,36 +253,8 @@ static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int6
         _tile_stored(3, logits + j0 + 3 * KEYS, stride * 4);
     }
     /* the probabilities: each query's maximum, then one exponential per logit it sees (zero elsewhere) */
-    const __m512 scale = _mm512_set1_ps(scaling * LOG2E);
     float inverse[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) {
-        float *row = logits + r * stride;
-        uint16_t *probs = room.probs + r * narrow;
-        if (r >= rows) { /* a query past n: nothing seen */
-            memset(row, 0, (size_t)span * 4);
-            memset(probs, 0, (size_t)span * 2);
-            inverse[r] = 0.0f;
-            continue;
-        }
-        const int64_t t = t0 + r;
-        __m512 most = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j <= t; j += KEYS)
-            most = _mm512_mask_max_ps(most, seen_by(t, j), most, _mm512_load_ps(row + j));
-        const float maximum = _mm512_reduce_max_ps(most);
-        const __m512 shift = _mm512_set1_ps(maximum * scaling * LOG2E);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < span; j += KEYS) {
-            const __mmask16 seen = seen_by(t, j);
-            const __m512 p = _mm512_maskz_mov_ps(seen, exp2_16(_mm512_fmsub_ps(_mm512_load_ps(row + j), scale,
-                                                                                shift)));
-            total = _mm512_add_ps(total, p);
-            _mm512_store_ps(row + j, p);
-            _mm256_store_si256((__m256i *)(probs + j), (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        const float sum = _mm512_reduce_add_ps(total);
-        inverse[r] = 1.0f / sum;
-        lse[r] = maximum * scaling + logf(sum);
-    }
+    softmax_rows(logits, stride, room.probs, narrow, t0, rows, span, scaling, inverse, lse);
     /* the output: 16 queries x 64 dimensions a round, over the key pairs of the probabilities */
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         const int64_t chunks = dim - d0 >= 64 ? 4 : (dim - d0) / 16;
@@ -257,22 +299,7 @@ static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int6
                                                                           by)));
     }
     /* the sums: each key's probabilities over these queries, each divided by its query's total */
-    const int64_t seen_keys = last + 1;
-#ifdef _OPENMP
-    omp_set_lock((omp_lock_t *)lock);
-#else
-    (void)lock;
-#endif
-    for (int64_t j = 0; j < seen_keys; j += KEYS) {
-        __m512 column = _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; ++r)
-            column = _mm512_fmadd_ps(_mm512_load_ps(logits + r * stride + j), _mm512_set1_ps(inverse[r]), column);
-        const __mmask16 inside = seen_keys - j >= KEYS ? (__mmask16)0xFFFFu : (__mmask16)((1u << (seen_keys - j)) - 1u);
-        _mm512_mask_storeu_ps(sums + j, inside, _mm512_add_ps(_mm512_maskz_loadu_ps(inside, sums + j), column));
-    }
-#ifdef _OPENMP
-    omp_unset_lock((omp_lock_t *)lock);
-#endif
+    add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
 #endif
 
@@ -341,6 +368,167 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
     }
     _tile_release();
     free(room.logits), free(room.probs), free(room.queries), free(room.output);
+    }
+#ifdef _OPENMP
+    for (int64_t r = 0; r < rows; ++r)
+        omp_destroy_lock(locks + r);
+#endif
+    free(packed_keys), free(packed_values), free(locks);
+    return failed ? -1 : 0;
+#else
+    (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
+    (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)values, (void)v_batch, (void)v_head;
+    (void)v_row, (void)scaling, (void)out, (void)o_batch, (void)o_row, (void)o_head, (void)lse, (void)sums;
+    return -1;
+#endif
+}
+
+#if KVSIEVE_AVX512
+/* The float32 pass (no tiles): the keys of one (batch item, KV head) transposed by blocks of 16 (dimension a of key
+ * block b's keys at [b][a][0 ... 15], one vector), zero past n up to `padded`. */
+static void transpose_keys(const float *keys, int64_t k_row, int64_t n, int64_t padded, int64_t dim, float *packed) {
+    for (int64_t block = 0; block < padded / KEYS; ++block)
+        for (int64_t a = 0; a < dim; ++a)
+            for (int64_t l = 0; l < KEYS; ++l) {
+                const int64_t j = block * KEYS + l;
+                packed[(block * dim + a) * KEYS + l] = j < n ? keys[j * k_row + a] : 0.0f;
+            }
+}
+
+/* The values of one (batch item, KV head) as contiguous rows, zero past n up to `padded`. */
+static void copy_values(const float *values, int64_t v_row, int64_t n, int64_t padded, int64_t dim, float *packed) {
+    for (int64_t j = 0; j < padded; ++j)
+        for (int64_t a = 0; a < dim; ++a)
+            packed[j * dim + a] = j < n ? values[j * v_row + a] : 0.0f;
+}
+
+/* One unit of the float32 pass: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). Logits four
+ * queries x four key blocks at a time (sixteen sums in registers, each dimension one load per key block and one
+ * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
+static void unit_f32(const float *keys, const float *values, int64_t dim, int64_t n, int64_t padded,
+                     const float *query, int64_t q_row, float scaling, int64_t t0, float *logits, float *queries,
+                     float *out, int64_t o_row, float *lse, float *sums, void *lock) {
+    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+    memset(queries, 0, (size_t)(ROWS * dim) * 4);
+    for (int64_t r = 0; r < rows; ++r)
+        memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 4);
+    for (int64_t r0 = 0; r0 < ROWS; r0 += 4) {
+        const float *q0 = queries + r0 * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+        for (int64_t j0 = 0; j0 < span; j0 += 4 * KEYS) {
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; ++i)
+                for (int b = 0; b < 4; ++b)
+                    acc[i][b] = _mm512_setzero_ps();
+            const float *k = keys + (j0 / KEYS) * dim * KEYS;
+            for (int64_t a = 0; a < dim; ++a) {
+                const __m512 k0 = _mm512_load_ps(k + a * KEYS), k1 = _mm512_load_ps(k + (dim + a) * KEYS);
+                const __m512 k2 = _mm512_load_ps(k + (2 * dim + a) * KEYS), k3 = _mm512_load_ps(k + (3 * dim + a) * KEYS);
+                const __m512 x[4] = {_mm512_set1_ps(q0[a]), _mm512_set1_ps(q1[a]), _mm512_set1_ps(q2[a]),
+                                     _mm512_set1_ps(q3[a])};
+                for (int i = 0; i < 4; ++i) {
+                    acc[i][0] = _mm512_fmadd_ps(x[i], k0, acc[i][0]);
+                    acc[i][1] = _mm512_fmadd_ps(x[i], k1, acc[i][1]);
+                    acc[i][2] = _mm512_fmadd_ps(x[i], k2, acc[i][2]);
+                    acc[i][3] = _mm512_fmadd_ps(x[i], k3, acc[i][3]);
+                }
+            }
+            for (int i = 0; i < 4; ++i)
+                for (int b = 0; b < 4; ++b)
+                    _mm512_store_ps(logits + (r0 + i) * stride + j0 + b * KEYS, acc[i][b]);
+        }
+    }
+    float inverse[ROWS];
+    softmax_rows(logits, stride, NULL, 0, t0, rows, span, scaling, inverse, lse);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* the output: P . V, then divided by each row's total */
+        const float *p0 = logits + r0 * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            const int64_t width = dim - d0 >= 64 ? 4 : (dim - d0) / KEYS;
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; ++i)
+                for (int c = 0; c < 4; ++c)
+                    acc[i][c] = _mm512_setzero_ps();
+            const int64_t seen = last + 1; /* keys past a row's own are zero in its probabilities */
+            for (int64_t j = 0; j < seen; ++j) {
+                const float *v = values + j * dim + d0;
+                const __m512 x[4] = {_mm512_set1_ps(p0[j]), _mm512_set1_ps(p1[j]), _mm512_set1_ps(p2[j]),
+                                     _mm512_set1_ps(p3[j])};
+                for (int64_t c = 0; c < width; ++c) {
+                    const __m512 vc = _mm512_loadu_ps(v + c * KEYS);
+                    for (int i = 0; i < 4; ++i)
+                        acc[i][c] = _mm512_fmadd_ps(x[i], vc, acc[i][c]);
+                }
+            }
+            for (int64_t i = 0; i < 4 && r0 + i < rows; ++i) {
+                const __m512 by = _mm512_set1_ps(inverse[r0 + i]);
+                for (int64_t c = 0; c < width; ++c)
+                    _mm512_storeu_ps(out + (t0 + r0 + i) * o_row + d0 + c * KEYS, _mm512_mul_ps(acc[i][c], by));
+            }
+        }
+    }
+    add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
+}
+#endif
+
+/* kvsieve_causal_attention_with_column_sums for float32 tensors, with AVX-512 fused multiply-adds instead of the tiles
+ * (a head size that is a multiple of 16, up to 256): the same arguments, every tensor float32. The probabilities
+ * multiply the values in float32 (no rounding to bfloat16), so the output is within float32 rounding of the exact
+ * attention. Returns 0, or -1 (no AVX-512 in the build, a head size it does not take, no memory: nothing written). */
+int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim,
+                                                  int64_t n, const float *query, int64_t q_batch, int64_t q_head,
+                                                  int64_t q_row, const float *keys, int64_t k_batch, int64_t k_head,
+                                                  int64_t k_row, const float *values, int64_t v_batch, int64_t v_head,
+                                                  int64_t v_row, float scaling, float *out, int64_t o_batch,
+                                                  int64_t o_row, int64_t o_head, float *lse, float *sums) {
+#if KVSIEVE_AVX512
+    if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 16 || dim % 16 || dim > MOST_DIM || n < 1)
+        return -1;
+    const int64_t q_heads = kv_heads * groups, rows = batch * q_heads;
+    const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
+    float *packed_keys = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
+    float *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
+#ifdef _OPENMP
+    omp_lock_t *locks = malloc((size_t)rows * sizeof(omp_lock_t));
+#else
+    char *locks = malloc((size_t)rows);
+#endif
+    if (!packed_keys || !packed_values || !locks) {
+        free(packed_keys), free(packed_values), free(locks);
+        return -1;
+    }
+    memset(sums, 0, (size_t)(rows * n) * 4);
+#ifdef _OPENMP
+    for (int64_t r = 0; r < rows; ++r)
+        omp_init_lock(locks + r);
+#endif
+    const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
+    int failed = 0;
+#pragma omp parallel if (n >= 128)
+    {
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < heads; ++head) {
+        const int64_t b = head / kv_heads, g = head % kv_heads;
+        transpose_keys(keys + b * k_batch + g * k_head, k_row, n, padded, dim, packed_keys + head * padded * dim);
+        copy_values(values + b * v_batch + g * v_head, v_row, n, padded, dim, packed_values + head * padded * dim);
+    }
+    float *logits = aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4);
+    float *queries = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
+    const int ready = logits && queries;
+    if (!ready) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+        if (!ready)
+            continue;
+        const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
+        const int64_t b = row / q_heads, h = row % q_heads, head = b * kv_heads + h / groups;
+        unit_f32(packed_keys + head * padded * dim, packed_values + head * padded * dim, dim, n, padded,
+                 query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, logits, queries,
+                 out + b * o_batch + h * o_head, o_row, lse + row * n + tile * ROWS, sums + row * n, locks + row);
+    }
+    free(logits), free(queries);
     }
 #ifdef _OPENMP
     for (int64_t r = 0; r < rows; ++r)

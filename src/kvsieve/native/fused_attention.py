@@ -12,6 +12,11 @@ the sums within float32 rounding of the float64 softmax.
 :func:`causal_attention_with_column_sums` returns None for anything it does not take (off the CPU, not bfloat16, a
 head size that is not a multiple of 32 or above 256, a CPU or build without AMX-BF16, no built library): the caller
 then takes its other routes.
+
+A float32 prompt takes the same pass with AVX-512 fused multiply-adds instead of the tiles
+(``kvsieve_causal_attention_with_column_sums_f32``; head sizes that are multiples of 16): the probabilities multiply
+the values in float32, so its output is within float32 rounding of the exact attention (SDPA's float32 kernel's is
+too, rounded otherwise).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ ARGUMENTS = (I64, I64, I64, I64, I64, PTR, I64, I64, I64, PTR, I64, I64, I64, PT
              I64, PTR, PTR)
 
 
+def vector_code() -> bool:
+    """Whether the float32 pass runs here: built, with AVX-512."""
+    probe = build.function("fused_attention", "kvsieve_fused_attention_vector_code", ())
+    return probe is not None and bool(probe())
+
+
 def tiles() -> bool:
     """Whether the pass runs here: built, with AMX-BF16 tiles in the build (the CPU must grant them too)."""
     probe = build.function("fused_attention", "kvsieve_fused_attention_tiles", ())
@@ -35,21 +46,24 @@ def tiles() -> bool:
 def causal_attention_with_column_sums(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(output, logsumexp, sums)`` of a causal prompt over its own entries: ``query`` ``(batch, q_heads, n, d)``,
-    ``keys``/``values`` ``(batch, kv_heads, n, d)`` bfloat16 (any strides but a unit one over ``d``); ``output``
-    ``(batch, n, q_heads, d)`` bfloat16, ``logsumexp`` and ``sums`` (``Σ_{t ≥ j} A[t, j]``) ``(batch, q_heads, n)``
-    float32. None where the pass does not apply (module docstring)."""
+    ``keys``/``values`` ``(batch, kv_heads, n, d)`` bfloat16 or float32 (any strides but a unit one over ``d``);
+    ``output`` ``(batch, n, q_heads, d)`` in their dtype, ``logsumexp`` and ``sums`` (``Σ_{t ≥ j} A[t, j]``)
+    ``(batch, q_heads, n)`` float32. None where the pass does not apply (module docstring)."""
     batch, q_heads, n, dim = query.shape
     kv_heads = keys.shape[1]
     groups = q_heads // kv_heads if kv_heads else 0
     tensors = (query, keys, values)
-    if (any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.stride(3) != 1 for t in tensors)
+    dtype = query.dtype
+    multiple = {torch.bfloat16: 32, torch.float32: 16}.get(dtype)  # the tiles' head sizes, the float32 pass's
+    if (multiple is None or any(t.device.type != "cpu" or t.dtype != dtype or t.stride(3) != 1 for t in tensors)
             or groups < 1 or groups * kv_heads != q_heads or keys.shape != (batch, kv_heads, n, dim)
-            or values.shape != keys.shape or dim % 32 or dim > 256 or n < 1):
+            or values.shape != keys.shape or dim % multiple or dim > 256 or n < 1):
         return None
-    kernel = build.function("fused_attention", "kvsieve_causal_attention_with_column_sums", ARGUMENTS)
+    symbol = "kvsieve_causal_attention_with_column_sums" + ("_f32" if dtype == torch.float32 else "")
+    kernel = build.function("fused_attention", symbol, ARGUMENTS)
     if kernel is None:
         return None
-    output = torch.empty((batch, n, q_heads, dim), dtype=torch.bfloat16)
+    output = torch.empty((batch, n, q_heads, dim), dtype=dtype)
     logsumexp = torch.empty((batch, q_heads, n), dtype=torch.float32)
     sums = torch.empty((batch, q_heads, n), dtype=torch.float32)
     status = kernel(batch, kv_heads, groups, dim, n, query.data_ptr(), *query.stride()[:3], keys.data_ptr(),
