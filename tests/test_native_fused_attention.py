@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import _COMMON
+from conftest import _COMMON, ALL_ARCHS, EAGER_ARCHS, build_model
 from helpers import all_kept_positions, prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,3 +167,34 @@ def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, dty
     assert runs[0][1][:first_layer] == runs[1][1][:first_layer]
     shared = sum(len(set(a) & set(b)) for a, b in zip(runs[0][1], runs[1][1], strict=True))
     assert shared >= 0.95 * sum(len(a) for a in runs[1][1])
+
+
+@VECTORS
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_float32_fused_prefill_on_every_architecture(arch, monkeypatch):
+    """The shared tiny float32 models (16-dimensional heads) take the float32 pass in every full-attention layer of an
+    unpadded prompt — not where soft-capping or sinks need the explicit attention — with logits within float32
+    rounding of the unfused prefill and the same kept entries."""
+    model = build_model(arch)
+    ids = prompt(2, 70, seed=1)
+    calls: list[bool] = []
+
+    def spy(*args):
+        result = causal_attention_with_column_sums(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr("kvsieve.core.step.causal_attention_with_column_sums", spy)
+    runs = []
+    for fused in (True, False):
+        cache = kvsieve.KVCache(model, "h2o", budget=24, fuse_statistics=fused)
+        with torch.inference_mode():
+            logits = model(ids, **cache_kwargs(model, cache)).logits
+        cache.flush()
+        runs.append((logits, [positions.tolist() for *_, positions in all_kept_positions(cache)]))
+    if arch in EAGER_ARCHS:
+        assert calls == []
+    else:
+        assert calls and all(calls)
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-5)
+    assert runs[0][1] == runs[1][1]

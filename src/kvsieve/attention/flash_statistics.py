@@ -15,9 +15,10 @@ pass. The output is the flash kernel's — SDPA's output on the CPU bit for bit 
 head, as SDPA's grouped-query path does) — and the sums carry that kernel's fast exponential: ~1e-5 relative to the
 float64 sums, against ~1e-6 for the softmax pass (``test_flash_statistics.py``).
 
-:func:`fused_attention_and_column_sums` takes the same prompts to a kernel the caller passes that computes the output
-and the sums from one set of exponentials (the CPU's AMX pass, :mod:`kvsieve.native.fused_attention`): faster, but its
-output is its own, within bfloat16 rounding of SDPA's, so the engine takes it only under ``fuse_statistics=True``.
+:func:`fused_attention_and_column_sums` takes the same prompts, float32 ones too, to a kernel the caller passes that
+computes the output and the sums from one set of exponentials (the CPU's C pass, :mod:`kvsieve.native.fused_attention`:
+AMX tiles for bfloat16, AVX-512 for float32): faster, but its output is its own, within bfloat16 (float32) rounding of
+SDPA's, so the engine takes it only under ``fuse_statistics=True``.
 """
 
 from __future__ import annotations

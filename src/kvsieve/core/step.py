@@ -296,8 +296,8 @@ class LayerStep:
         """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16 causal
-        prompt on a CPU with AMX tiles takes the C pass that computes both from one set of exponentials
-        (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal prompt on the CPU takes the
+        prompt on a CPU with AMX tiles, or a float32 one on a CPU with AVX-512, takes the C pass that computes both
+        from one set of exponentials (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal prompt on the CPU takes the
         flash kernel's output (SDPA's, bit for bit) and the sums from its log-sum-exp
         (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast exponential, ~1e-5
         relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
@@ -311,10 +311,11 @@ class LayerStep:
         return output
 
     def native_output_with_column_sums(self) -> torch.Tensor | None:
-        """:meth:`output_with_column_sums` from the CPU's AMX pass, which takes each exponential once for the output and
-        the sums (memoised; :mod:`kvsieve.native.fused_attention`): the same prompts as the flash route, bfloat16 only,
-        a head size that is a multiple of 32. Its output is within bfloat16 rounding of SDPA's, not SDPA's, so only
-        under ``fuse_statistics=True``; None elsewhere (nothing computed)."""
+        """:meth:`output_with_column_sums` from the CPU's C pass, which takes each exponential once for the output and
+        the sums (memoised; :mod:`kvsieve.native.fused_attention`): the same prompts as the flash route, bfloat16 on
+        AMX tiles (head sizes that are multiples of 32) or float32 with AVX-512 (multiples of 16). Its output is within
+        bfloat16 (float32) rounding of SDPA's, not SDPA's, so only under ``fuse_statistics=True``; None elsewhere
+        (nothing computed)."""
         self._require(COLUMN_SUMS)
         fused = fused_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
                                                 self.form if self.form is not None else self.scaling,

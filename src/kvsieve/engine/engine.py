@@ -439,9 +439,9 @@ class Engine:
         Opt-in (``fuse_statistics=True``): the output then differs from SDPA's — and so the prompt's later
         layers and logits from plain transformers' — by float rounding, where the default keeps them bit for
         bit (except a bf16/fp16 causal first prompt, whose output is the flash kernel's, SDPA's own:
-        :mod:`kvsieve.attention.flash_statistics`; on a CPU with AMX tiles a bf16 causal first prompt takes
-        :mod:`kvsieve.native.fused_attention` instead, the output within bf16 rounding of SDPA's and each exponential
-        taken once). Only for a managed layer whose scorer needs column sums, on
+        :mod:`kvsieve.attention.flash_statistics`; on a CPU with AMX tiles a bf16 causal first prompt — with
+        AVX-512 a float32 one — takes :mod:`kvsieve.native.fused_attention` instead, the output within bf16 (float32)
+        rounding of SDPA's and each exponential taken once). Only for a managed layer whose scorer needs column sums, on
         more than one query, over the held entries as they are (no action that expands merged centres), on the
         CPU, and when this layer can evict now (more entries than its budget, or a ratio): with nothing to
         evict the output stays SDPA's.

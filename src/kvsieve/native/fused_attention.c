@@ -28,6 +28,10 @@
  * again (16 queries x 64 dimensions a round over the values packed as key pairs), and its sums are added to the row's
  * under that row's lock. Needs AMX-BF16 (and a head size that is a multiple of 32, up to 256); returns -1 otherwise,
  * and the caller keeps its other routes.
+ *
+ * kvsieve_causal_attention_with_column_sums_f32 is the same pass for float32 prompts with AVX-512 fused
+ * multiply-adds in place of the tiles (four queries x 64 keys, then four queries x 64 dimensions, in registers), the
+ * probabilities kept in float32 for P.V: its output within float32 rounding of the exact attention.
  */
 #include <math.h>
 #include <stdint.h>
