@@ -297,8 +297,8 @@ class LayerStep:
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16 causal
         prompt on a CPU with AMX tiles, or a float32 one on a CPU with AVX-512, takes the C pass that computes both
-        from one set of exponentials (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal prompt on the CPU takes the
-        flash kernel's output (SDPA's, bit for bit) and the sums from its log-sum-exp
+        from one set of exponentials (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal
+        prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its log-sum-exp
         (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast exponential, ~1e-5
         relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
         (:mod:`kvsieve.native.column_sums`, AVX512-BF16)."""

@@ -62,6 +62,7 @@
 #define KEYS 16       /* keys per block: a float32 tile's columns, the vector's lanes */
 #define ROUND 64      /* keys per round of the tiles (four blocks) */
 #define MOST_DIM 256  /* head size */
+#define VALUE_CHUNK 256 /* keys per chunk of the float32 pass's P.V */
 #define LOG2E 1.44269504088896341f
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
@@ -411,15 +412,15 @@ static void copy_values(const float *values, int64_t v_row, int64_t n, int64_t p
  * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
 static void unit_f32(const float *keys, const float *values, int64_t dim, int64_t n, int64_t padded,
                      const float *query, int64_t q_row, float scaling, int64_t t0, float *logits, float *queries,
-                     float *out, int64_t o_row, float *lse, float *sums, void *lock) {
+                     float *output, float *out, int64_t o_row, float *lse, float *sums, void *lock) {
     const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
     const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
     memset(queries, 0, (size_t)(ROWS * dim) * 4);
     for (int64_t r = 0; r < rows; ++r)
         memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 4);
-    for (int64_t r0 = 0; r0 < ROWS; r0 += 4) {
-        const float *q0 = queries + r0 * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
-        for (int64_t j0 = 0; j0 < span; j0 += 4 * KEYS) {
+    for (int64_t j0 = 0; j0 < span; j0 += 4 * KEYS) { /* each round's keys read once, for the four query groups */
+        for (int64_t r0 = 0; r0 < ROWS; r0 += 4) {
+            const float *q0 = queries + r0 * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
             __m512 acc[4][4];
             for (int i = 0; i < 4; ++i)
                 for (int b = 0; b < 4; ++b)
@@ -444,31 +445,53 @@ static void unit_f32(const float *keys, const float *values, int64_t dim, int64_
     }
     float inverse[ROWS];
     softmax_rows(logits, stride, NULL, 0, t0, rows, span, scaling, inverse, lse);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* the output: P . V, then divided by each row's total */
-        const float *p0 = logits + r0 * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
-        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            const int64_t width = dim - d0 >= 64 ? 4 : (dim - d0) / KEYS;
-            __m512 acc[4][4];
-            for (int i = 0; i < 4; ++i)
-                for (int c = 0; c < 4; ++c)
-                    acc[i][c] = _mm512_setzero_ps();
-            const int64_t seen = last + 1; /* keys past a row's own are zero in its probabilities */
-            for (int64_t j = 0; j < seen; ++j) {
-                const float *v = values + j * dim + d0;
-                const __m512 x[4] = {_mm512_set1_ps(p0[j]), _mm512_set1_ps(p1[j]), _mm512_set1_ps(p2[j]),
-                                     _mm512_set1_ps(p3[j])};
-                for (int64_t c = 0; c < width; ++c) {
-                    const __m512 vc = _mm512_loadu_ps(v + c * KEYS);
-                    for (int i = 0; i < 4; ++i)
-                        acc[i][c] = _mm512_fmadd_ps(x[i], vc, acc[i][c]);
+    /* the output: P . V over chunks of keys (each chunk's values read once from memory, then from the cache for
+     * every group of four queries), the sums kept between chunks in `output`, then divided by each row's total */
+    memset(output, 0, (size_t)(ROWS * dim) * 4);
+    const int64_t seen = last + 1; /* keys past a row's own are zero in its probabilities */
+    for (int64_t k0 = 0; k0 < seen; k0 += VALUE_CHUNK) {
+        const int64_t k1 = seen - k0 < VALUE_CHUNK ? seen : k0 + VALUE_CHUNK;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const float *p0 = logits + r0 * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                const int64_t width = dim - d0 >= 64 ? 4 : (dim - d0) / KEYS;
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; ++i)
+                    for (int64_t c = 0; c < width; ++c)
+                        acc[i][c] = _mm512_load_ps(output + (r0 + i) * dim + d0 + c * KEYS);
+                if (width == 4) { /* 64 dimensions: the loop the compiler keeps in sixteen registers */
+                    for (int64_t j = k0; j < k1; ++j) {
+                        const float *v = values + j * dim + d0;
+                        const __m512 x[4] = {_mm512_set1_ps(p0[j]), _mm512_set1_ps(p1[j]), _mm512_set1_ps(p2[j]),
+                                             _mm512_set1_ps(p3[j])};
+                        for (int c = 0; c < 4; ++c) {
+                            const __m512 vc = _mm512_loadu_ps(v + c * KEYS);
+                            for (int i = 0; i < 4; ++i)
+                                acc[i][c] = _mm512_fmadd_ps(x[i], vc, acc[i][c]);
+                        }
+                    }
+                } else {
+                    for (int64_t j = k0; j < k1; ++j) {
+                        const float *v = values + j * dim + d0;
+                        const __m512 x[4] = {_mm512_set1_ps(p0[j]), _mm512_set1_ps(p1[j]), _mm512_set1_ps(p2[j]),
+                                             _mm512_set1_ps(p3[j])};
+                        for (int64_t c = 0; c < width; ++c) {
+                            const __m512 vc = _mm512_loadu_ps(v + c * KEYS);
+                            for (int i = 0; i < 4; ++i)
+                                acc[i][c] = _mm512_fmadd_ps(x[i], vc, acc[i][c]);
+                        }
+                    }
                 }
-            }
-            for (int64_t i = 0; i < 4 && r0 + i < rows; ++i) {
-                const __m512 by = _mm512_set1_ps(inverse[r0 + i]);
-                for (int64_t c = 0; c < width; ++c)
-                    _mm512_storeu_ps(out + (t0 + r0 + i) * o_row + d0 + c * KEYS, _mm512_mul_ps(acc[i][c], by));
+                for (int i = 0; i < 4; ++i)
+                    for (int64_t c = 0; c < width; ++c)
+                        _mm512_store_ps(output + (r0 + i) * dim + d0 + c * KEYS, acc[i][c]);
             }
         }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m512 by = _mm512_set1_ps(inverse[r]);
+        for (int64_t d = 0; d < dim; d += KEYS)
+            _mm512_storeu_ps(out + (t0 + r) * o_row + d, _mm512_mul_ps(_mm512_load_ps(output + r * dim + d), by));
     }
     add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
@@ -516,8 +539,8 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
         copy_values(values + b * v_batch + g * v_head, v_row, n, padded, dim, packed_values + head * padded * dim);
     }
     float *logits = aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4);
-    float *queries = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
-    const int ready = logits && queries;
+    float *queries = aligned_alloc(64, (size_t)(ROWS * dim) * 4), *output = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
+    const int ready = logits && queries && output;
     if (!ready) {
 #pragma omp atomic write
         failed = 1;
@@ -529,10 +552,10 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
         const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
         const int64_t b = row / q_heads, h = row % q_heads, head = b * kv_heads + h / groups;
         unit_f32(packed_keys + head * padded * dim, packed_values + head * padded * dim, dim, n, padded,
-                 query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, logits, queries,
+                 query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, logits, queries, output,
                  out + b * o_batch + h * o_head, o_row, lse + row * n + tile * ROWS, sums + row * n, locks + row);
     }
-    free(logits), free(queries);
+    free(logits), free(queries), free(output);
     }
 #ifdef _OPENMP
     for (int64_t r = 0; r < rows; ++r)
