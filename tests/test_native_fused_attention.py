@@ -134,14 +134,9 @@ def _model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
     return cls(config(**common, attn_implementation="sdpa")).eval().to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
-@pytest.mark.parametrize("policy", ["h2o", "ems"])
-def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, dtype, monkeypatch):
-    """``fuse_statistics=True`` takes the pass in every layer; the logits are within bfloat16 rounding of the unfused
-    prefill's (SDPA and the flash route's sums); the first layer keeps the same entries, the others nearly all."""
-    model = _model(arch, dtype)
-    ids = prompt(2, 150, seed=7)
+def _prefills(model, ids, policy: str, params: dict, monkeypatch) -> tuple[list[bool], list]:
+    """The prompt's prefill with ``fuse_statistics`` on, then off: whether each call of the pass ran, and per prefill
+    the float32 logits and the kept positions per (layer, row, head)."""
     calls: list[bool] = []
 
     def spy(*args):
@@ -152,12 +147,23 @@ def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, dty
     monkeypatch.setattr("kvsieve.core.step.causal_attention_with_column_sums", spy)
     runs = []
     for fused in (True, False):
-        params = {"window": 8} if policy == "ems" else {}
-        cache = kvsieve.KVCache(model, policy, budget=40, fuse_statistics=fused, **params)
+        cache = kvsieve.KVCache(model, policy, fuse_statistics=fused, **params)
         with torch.inference_mode():
             logits = model(ids, **cache_kwargs(model, cache)).logits
         cache.flush()
         runs.append((logits.float(), [positions.tolist() for *_, positions in all_kept_positions(cache)]))
+    return calls, runs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("policy", ["h2o", "ems"])
+def test_fused_prefill_takes_the_pass_with_the_unfused_entries(arch, policy, dtype, monkeypatch):
+    """``fuse_statistics=True`` takes the pass in every layer; the logits are within bfloat16 rounding of the unfused
+    prefill's (SDPA and the flash route's sums); the first layer keeps the same entries, the others nearly all."""
+    model = _model(arch, dtype)
+    params = {"window": 8} if policy == "ems" else {}
+    calls, runs = _prefills(model, prompt(2, 150, seed=7), policy, {"budget": 40, **params}, monkeypatch)
     assert calls == [True] * model.config.num_hidden_layers
     tolerance = 0.05 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=tolerance, atol=tolerance)
@@ -176,22 +182,7 @@ def test_float32_fused_prefill_on_every_architecture(arch, monkeypatch):
     unpadded prompt — not where soft-capping or sinks need the explicit attention — with logits within float32
     rounding of the unfused prefill and the same kept entries."""
     model = build_model(arch)
-    ids = prompt(2, 70, seed=1)
-    calls: list[bool] = []
-
-    def spy(*args):
-        result = causal_attention_with_column_sums(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr("kvsieve.core.step.causal_attention_with_column_sums", spy)
-    runs = []
-    for fused in (True, False):
-        cache = kvsieve.KVCache(model, "h2o", budget=24, fuse_statistics=fused)
-        with torch.inference_mode():
-            logits = model(ids, **cache_kwargs(model, cache)).logits
-        cache.flush()
-        runs.append((logits, [positions.tolist() for *_, positions in all_kept_positions(cache)]))
+    calls, runs = _prefills(model, prompt(2, 70, seed=1), "h2o", {"budget": 24}, monkeypatch)
     if arch in EAGER_ARCHS:
         assert calls == []
     else:

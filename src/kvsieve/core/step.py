@@ -316,27 +316,25 @@ class LayerStep:
         AMX tiles (head sizes that are multiples of 32) or float32 with AVX-512 (multiples of 16). Its output is within
         bfloat16 (float32) rounding of SDPA's, not SDPA's, so only under ``fuse_statistics=True``; None elsewhere
         (nothing computed)."""
-        self._require(COLUMN_SUMS)
-        fused = fused_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
-                                                self.form if self.form is not None else self.scaling,
-                                                self.query_valid, self.bias(), causal_attention_with_column_sums)
-        if fused is None:
-            return None
-        self._memo["colsum"] = fused[1]
-        return fused[0]
+        return self._prompt_route(fused_attention_and_column_sums, causal_attention_with_column_sums)
 
     def flash_output_with_column_sums(self) -> torch.Tensor | None:
         """:meth:`output_with_column_sums` where it is the flash kernel's output — SDPA's own on the CPU, bit for bit —
         with the sums from its log-sum-exp (memoised); None elsewhere (nothing computed): a bfloat16/float16 causal
         first prompt on the CPU, no padding, no sliding window, no soft-capping, sinks or bias."""
+        return self._prompt_route(flash_attention_and_column_sums, causal_column_sums)
+
+    def _prompt_route(self, route: Callable[..., tuple[torch.Tensor, torch.Tensor] | None], kernel: Callable[..., Any]
+                      ) -> torch.Tensor | None:
+        """The output of ``route`` (:mod:`kvsieve.attention.flash_statistics`'s, given the C ``kernel`` it may call)
+        over the dense view, its column sums memoised; None where the route does not apply."""
         self._require(COLUMN_SUMS)
-        flash = flash_attention_and_column_sums(self.query, self.view.keys, self.view.values, self._block_mask,
-                                                self.form if self.form is not None else self.scaling,
-                                                self.query_valid, self.bias(), causal_column_sums)
-        if flash is None:
+        result = route(self.query, self.view.keys, self.view.values, self._block_mask,
+                       self.form if self.form is not None else self.scaling, self.query_valid, self.bias(), kernel)
+        if result is None:
             return None
-        self._memo["colsum"] = flash[1]
-        return flash[0]
+        self._memo["colsum"] = result[1]
+        return result[0]
 
     def output_with_column_maxima(self) -> torch.Tensor:
         """The attention output of this forward's queries over the dense view and :meth:`all_column_maxima` (memoised)

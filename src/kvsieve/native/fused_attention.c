@@ -136,12 +136,40 @@ static void softmax_rows(float *logits, int64_t stride, uint16_t *probs, int64_t
     }
 }
 
+#ifdef _OPENMP
+typedef omp_lock_t RowLock;
+#else
+typedef char RowLock; /* no threads: nothing to lock */
+#endif
+
+/* One lock per row of sums, initialised; NULL without memory. */
+static RowLock *row_locks(int64_t rows) {
+    RowLock *locks = malloc((size_t)rows * sizeof(RowLock));
+#ifdef _OPENMP
+    if (locks)
+        for (int64_t r = 0; r < rows; ++r)
+            omp_init_lock(locks + r);
+#endif
+    return locks;
+}
+
+static void free_row_locks(RowLock *locks, int64_t rows) {
+#ifdef _OPENMP
+    if (locks)
+        for (int64_t r = 0; r < rows; ++r)
+            omp_destroy_lock(locks + r);
+#else
+    (void)rows;
+#endif
+    free(locks);
+}
+
 /* The unit's share of the sums: each key's probabilities over its queries, each divided by its query's total, added
  * to the row's sums under that row's lock (units of one row run on different threads). */
 static void add_column_sums(const float *probs, int64_t stride, const float *inverse, int64_t rows, int64_t seen_keys,
-                            float *sums, void *lock) {
+                            float *sums, RowLock *lock) {
 #ifdef _OPENMP
-    omp_set_lock((omp_lock_t *)lock);
+    omp_set_lock(lock);
 #else
     (void)lock;
 #endif
@@ -153,7 +181,7 @@ static void add_column_sums(const float *probs, int64_t stride, const float *inv
         _mm512_mask_storeu_ps(sums + j, inside, _mm512_add_ps(_mm512_maskz_loadu_ps(inside, sums + j), column));
     }
 #ifdef _OPENMP
-    omp_unset_lock((omp_lock_t *)lock);
+    omp_unset_lock(lock);
 #endif
 }
 #endif
@@ -222,7 +250,7 @@ typedef struct {
 /* One unit: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). */
 static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int64_t n, int64_t padded,
                  const uint16_t *query, int64_t q_row, float scaling, int64_t t0, Room room, uint16_t *out,
-                 int64_t o_row, float *lse, float *sums, void *lock) {
+                 int64_t o_row, float *lse, float *sums, RowLock *lock) {
     const int64_t pairs = dim / 2, rows = n - t0 < ROWS ? n - t0 : ROWS;
     const int64_t last = t0 + rows - 1;                               /* the last query */
     const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND;     /* the keys the tiles take, <= padded */
@@ -326,20 +354,12 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
     const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
     uint32_t *packed_keys = aligned_alloc(64, (size_t)(heads * padded * pairs) * 4);
     uint16_t *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 2);
-#ifdef _OPENMP
-    omp_lock_t *locks = malloc((size_t)rows * sizeof(omp_lock_t));
-#else
-    char *locks = malloc((size_t)rows);
-#endif
+    RowLock *locks = row_locks(rows);
     if (!packed_keys || !packed_values || !locks) {
-        free(packed_keys), free(packed_values), free(locks);
+        free(packed_keys), free(packed_values), free_row_locks(locks, rows);
         return -1;
     }
     memset(sums, 0, (size_t)(rows * n) * 4);
-#ifdef _OPENMP
-    for (int64_t r = 0; r < rows; ++r)
-        omp_init_lock(locks + r);
-#endif
     const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
     int failed = 0;
 #pragma omp parallel if (n >= 128)
@@ -374,11 +394,7 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
     _tile_release();
     free(room.logits), free(room.probs), free(room.queries), free(room.output);
     }
-#ifdef _OPENMP
-    for (int64_t r = 0; r < rows; ++r)
-        omp_destroy_lock(locks + r);
-#endif
-    free(packed_keys), free(packed_values), free(locks);
+    free(packed_keys), free(packed_values), free_row_locks(locks, rows);
     return failed ? -1 : 0;
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
@@ -412,7 +428,7 @@ static void copy_values(const float *values, int64_t v_row, int64_t n, int64_t p
  * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
 static void unit_f32(const float *keys, const float *values, int64_t dim, int64_t n, int64_t padded,
                      const float *query, int64_t q_row, float scaling, int64_t t0, float *logits, float *queries,
-                     float *output, float *out, int64_t o_row, float *lse, float *sums, void *lock) {
+                     float *output, float *out, int64_t o_row, float *lse, float *sums, RowLock *lock) {
     const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
     const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
     memset(queries, 0, (size_t)(ROWS * dim) * 4);
@@ -514,20 +530,12 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
     const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
     float *packed_keys = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
     float *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
-#ifdef _OPENMP
-    omp_lock_t *locks = malloc((size_t)rows * sizeof(omp_lock_t));
-#else
-    char *locks = malloc((size_t)rows);
-#endif
+    RowLock *locks = row_locks(rows);
     if (!packed_keys || !packed_values || !locks) {
-        free(packed_keys), free(packed_values), free(locks);
+        free(packed_keys), free(packed_values), free_row_locks(locks, rows);
         return -1;
     }
     memset(sums, 0, (size_t)(rows * n) * 4);
-#ifdef _OPENMP
-    for (int64_t r = 0; r < rows; ++r)
-        omp_init_lock(locks + r);
-#endif
     const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
     int failed = 0;
 #pragma omp parallel if (n >= 128)
@@ -557,11 +565,7 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
     }
     free(logits), free(queries), free(output);
     }
-#ifdef _OPENMP
-    for (int64_t r = 0; r < rows; ++r)
-        omp_destroy_lock(locks + r);
-#endif
-    free(packed_keys), free(packed_values), free(locks);
+    free(packed_keys), free(packed_values), free_row_locks(locks, rows);
     return failed ? -1 : 0;
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
