@@ -32,6 +32,10 @@
  * kvsieve_causal_attention_with_column_sums_f32 is the same pass for float32 prompts with AVX-512 fused
  * multiply-adds in place of the tiles (four queries x 64 keys, then four queries x 64 dimensions, in registers), the
  * probabilities kept in float32 for P.V: its output within float32 rounding of the exact attention.
+ *
+ * Both entry points check their arguments and hand a Call to run_pass with their Pass (TILES or VECTORS): the packing
+ * of the keys and values, the unit and the per-thread set-up, the only things that differ. run_pass holds the
+ * scheduling, the rooms and the row locks once.
  */
 #include <math.h>
 #include <stdint.h>
@@ -184,6 +188,111 @@ static void add_column_sums(const float *probs, int64_t stride, const float *inv
     omp_unset_lock(lock);
 #endif
 }
+
+/* One call's tensors: query (batch, kv_heads * groups, n, dim), keys and values (batch, kv_heads, n, dim) with strides
+ * in elements (unit stride over dim); out (batch, n, kv_heads * groups, dim) with strides (unit over dim); lse and sums
+ * float32 (batch, kv_heads * groups, n), contiguous. The elements are bfloat16 or float32 (the Pass's). */
+typedef struct {
+    int64_t batch, kv_heads, groups, dim, n;
+    const void *query;
+    int64_t q_batch, q_head, q_row;
+    const void *keys;
+    int64_t k_batch, k_head, k_row;
+    const void *values;
+    int64_t v_batch, v_head, v_row;
+    float scaling;
+    void *out;
+    int64_t o_batch, o_row, o_head;
+    float *lse, *sums;
+} Call;
+
+/* Per-thread room for one unit: its logits, then probabilities (float32, ROWS x (padded + 16)), the probabilities in
+ * bfloat16 where the Pass multiplies them so (ROWS x (padded + 32); NULL otherwise), the queries (ROWS x dim, the
+ * input's elements) and the output's float32 sums (ROWS x dim). */
+typedef struct {
+    float *logits;
+    uint16_t *probs;
+    void *queries;
+    float *output;
+} Room;
+
+/* What differs between the bfloat16 pass (tiles) and the float32 one (vector FMAs); run_pass holds the rest. */
+typedef struct {
+    size_t element;        /* bytes of an input element: 2 or 4 */
+    int bf16_probabilities; /* whether the unit needs the Room's bfloat16 probabilities */
+    /* one (batch item, KV head)'s keys and values in the unit's layouts, zero past n up to padded (padded * dim
+     * elements each) */
+    void (*pack_keys)(const void *keys, int64_t k_row, int64_t n, int64_t padded, int64_t dim, void *packed);
+    void (*pack_values)(const void *values, int64_t v_row, int64_t n, int64_t padded, int64_t dim, void *packed);
+    void (*enter)(void); /* each thread's set-up before its units (the tiles' shape), and after them; may be NULL */
+    void (*leave)(void);
+    /* queries t0 ... t0 + 15 (those below n) of one (batch item, query head) */
+    void (*unit)(const void *keys, const void *values, int64_t dim, int64_t n, int64_t padded, const void *query,
+                 int64_t q_row, float scaling, int64_t t0, Room room, void *out, int64_t o_row, float *lse,
+                 float *sums, RowLock *lock);
+} Pass;
+
+static void free_room(Room *room) {
+    free(room->logits), free(room->probs), free(room->queries), free(room->output);
+}
+
+/* The pass over a call, both kinds: each (batch item, KV head)'s keys and values packed once, then the units, the
+ * largest first, on torch's OpenMP threads (one thread below 128 tokens), each thread with its own Room. Returns 0, or
+ * -1 without memory (nothing but the sums written). */
+static int run_pass(const Pass *pass, const Call *c) {
+    const int64_t dim = c->dim, n = c->n, q_heads = c->kv_heads * c->groups, rows = c->batch * q_heads;
+    const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = c->batch * c->kv_heads;
+    const size_t element = pass->element, per_head = (size_t)(padded * dim);
+    char *packed_keys = aligned_alloc(64, heads * per_head * element);
+    char *packed_values = aligned_alloc(64, heads * per_head * element);
+    RowLock *locks = row_locks(rows);
+    if (!packed_keys || !packed_values || !locks) {
+        free(packed_keys), free(packed_values), free_row_locks(locks, rows);
+        return -1;
+    }
+    memset(c->sums, 0, (size_t)(rows * n) * 4);
+    const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
+    const char *query = c->query, *keys = c->keys, *values = c->values;
+    char *out = c->out;
+    int failed = 0;
+#pragma omp parallel if (n >= 128)
+    {
+#pragma omp for schedule(static)
+    for (int64_t head = 0; head < heads; ++head) {
+        const int64_t b = head / c->kv_heads, g = head % c->kv_heads;
+        pass->pack_keys(keys + (b * c->k_batch + g * c->k_head) * element, c->k_row, n, padded, dim,
+                        packed_keys + head * per_head * element);
+        pass->pack_values(values + (b * c->v_batch + g * c->v_head) * element, c->v_row, n, padded, dim,
+                          packed_values + head * per_head * element);
+    }
+    Room room = {aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4),
+                 pass->bf16_probabilities ? aligned_alloc(64, (size_t)(ROWS * (padded + 2 * KEYS)) * 2) : NULL,
+                 aligned_alloc(64, (size_t)(ROWS * dim) * element), aligned_alloc(64, (size_t)(ROWS * dim) * 4)};
+    const int ready = room.logits && (room.probs || !pass->bf16_probabilities) && room.queries && room.output;
+    if (!ready) {
+#pragma omp atomic write
+        failed = 1;
+    }
+    if (pass->enter)
+        pass->enter();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+        if (!ready)
+            continue;
+        const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
+        const int64_t b = row / q_heads, h = row % q_heads, head = b * c->kv_heads + h / c->groups;
+        pass->unit(packed_keys + head * per_head * element, packed_values + head * per_head * element, dim, n, padded,
+                   query + (b * c->q_batch + h * c->q_head) * element, c->q_row, c->scaling, tile * ROWS, room,
+                   out + (b * c->o_batch + h * c->o_head) * element, c->o_row, c->lse + row * n + tile * ROWS,
+                   c->sums + row * n, locks + row);
+    }
+    if (pass->leave)
+        pass->leave();
+    free_room(&room);
+    }
+    free(packed_keys), free(packed_values), free_row_locks(locks, rows);
+    return failed ? -1 : 0;
+}
 #endif
 
 #if KVSIEVE_AMX
@@ -210,13 +319,17 @@ static void shape_tiles(void) {
         shape.bytes_per_row[tile] = 64;
         shape.rows[tile] = 16;
     }
-    _tile_loadconfig(&shape);
+    /* ldtilecfg with the whole 64-byte shape as its operand: GCC 12's _tile_loadconfig names only its first 8 bytes,
+     * so the compiler may drop the stores of the rest (it did once this function was no longer inlined) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(shape));
 }
 
 /* The keys of one (batch item, KV head) as the tiles' second operand of q.k: blocks of 16 keys, each block's dimension
  * pairs one after another (pair p of key l at [block][p][l]), zero past n up to `padded`. */
-static void pack_keys(const uint16_t *keys, int64_t k_row, int64_t n, int64_t padded, int64_t pairs,
-                      uint32_t *packed) {
+static void pack_keys(const void *input, int64_t k_row, int64_t n, int64_t padded, int64_t dim, void *output) {
+    const uint16_t *keys = input;
+    uint32_t *packed = output;
+    const int64_t pairs = dim / 2;
     for (int64_t block = 0; block < padded / KEYS; ++block)
         for (int64_t l = 0; l < KEYS; ++l) {
             const int64_t j = block * KEYS + l;
@@ -231,26 +344,21 @@ static void pack_keys(const uint16_t *keys, int64_t k_row, int64_t n, int64_t pa
 
 /* The values of one (batch item, KV head) as the second operand of p.v: key pairs, each pair's dimensions one after
  * another with the two keys' values side by side ([pair][d][2]), zero past n up to `padded`. */
-static void pack_values(const uint16_t *values, int64_t v_row, int64_t n, int64_t padded, int64_t dim,
-                        uint16_t *packed) {
+static void pack_values(const void *input, int64_t v_row, int64_t n, int64_t padded, int64_t dim, void *output) {
+    const uint16_t *values = input;
+    uint16_t *packed = output;
     for (int64_t j = 0; j < padded; ++j)
         for (int64_t d = 0; d < dim; ++d)
             packed[((j / 2) * dim + d) * 2 + j % 2] = j < n ? values[j * v_row + d] : 0;
 }
 
-/* Per-thread room for one unit: its logits, then probabilities (float32, ROWS x (padded + 16)), the probabilities in
- * bfloat16 (ROWS x (padded + 32)), the queries (ROWS x dim) and the output's float32 sums (ROWS x dim). */
-typedef struct {
-    float *logits;
-    uint16_t *probs;
-    uint16_t *queries;
-    float *output;
-} Room;
-
 /* One unit: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). */
-static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int64_t n, int64_t padded,
-                 const uint16_t *query, int64_t q_row, float scaling, int64_t t0, Room room, uint16_t *out,
-                 int64_t o_row, float *lse, float *sums, RowLock *lock) {
+static void unit(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                 const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *output, int64_t o_row,
+                 float *lse, float *sums, RowLock *lock) {
+    const uint32_t *keys = packed_keys;
+    const uint16_t *values = packed_values, *query = input;
+    uint16_t *out = output, *queries = room.queries;
     const int64_t pairs = dim / 2, rows = n - t0 < ROWS ? n - t0 : ROWS;
     const int64_t last = t0 + rows - 1;                               /* the last query */
     const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND;     /* the keys the tiles take, <= padded */
@@ -258,9 +366,9 @@ static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int6
                                                                         64 bytes past a multiple of 64 keys, so the
                                                                         sixteen rows fall in different cache sets */
     float *logits = room.logits;
-    memset(room.queries, 0, (size_t)(ROWS * dim) * 2);
+    memset(queries, 0, (size_t)(ROWS * dim) * 2);
     for (int64_t r = 0; r < rows; ++r)
-        memcpy(room.queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 2);
+        memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 2);
     /* the logits: 16 queries x 64 keys a round */
     for (int64_t j0 = 0; j0 < span; j0 += ROUND) {
         _tile_zero(0);
@@ -270,7 +378,7 @@ static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int6
         const uint32_t *k = keys + (j0 / KEYS) * pairs * KEYS;
         for (int64_t chunk = 0; chunk < pairs / 16; ++chunk) {
             const uint32_t *kc = k + chunk * 16 * KEYS;
-            _tile_loadd(4, room.queries + chunk * 32, dim * 2);
+            _tile_loadd(4, queries + chunk * 32, dim * 2);
             _tile_loadd(5, kc, 64);
             _tile_dpbf16ps(0, 4, 5);
             _tile_loadd(6, kc + pairs * KEYS, 64);
@@ -334,6 +442,11 @@ static void unit(const uint32_t *keys, const uint16_t *values, int64_t dim, int6
     /* the sums: each key's probabilities over these queries, each divided by its query's total */
     add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
+
+static void release_tiles(void) { _tile_release(); }
+
+/* The bfloat16 pass: keys as bfloat16 pairs, values as key pairs, each thread's tiles shaped before its units. */
+static const Pass TILES = {2, 1, pack_keys, pack_values, shape_tiles, release_tiles, unit};
 #endif
 
 /* query: bfloat16 (batch, kv_heads * groups, n, dim) with strides in elements (unit stride over dim); keys, values:
@@ -350,52 +463,9 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
     if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 32 || dim % 32 || dim > MOST_DIM || n < 1
             || !tiles_granted())
         return -1;
-    const int64_t pairs = dim / 2, q_heads = kv_heads * groups, rows = batch * q_heads;
-    const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
-    uint32_t *packed_keys = aligned_alloc(64, (size_t)(heads * padded * pairs) * 4);
-    uint16_t *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 2);
-    RowLock *locks = row_locks(rows);
-    if (!packed_keys || !packed_values || !locks) {
-        free(packed_keys), free(packed_values), free_row_locks(locks, rows);
-        return -1;
-    }
-    memset(sums, 0, (size_t)(rows * n) * 4);
-    const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
-    int failed = 0;
-#pragma omp parallel if (n >= 128)
-    {
-#pragma omp for schedule(static)
-    for (int64_t head = 0; head < heads; ++head) {
-        const int64_t b = head / kv_heads, g = head % kv_heads;
-        pack_keys(keys + b * k_batch + g * k_head, k_row, n, padded, pairs, packed_keys + head * padded * pairs);
-        pack_values(values + b * v_batch + g * v_head, v_row, n, padded, dim, packed_values + head * padded * dim);
-    }
-    Room room;
-    room.logits = aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4);
-    room.probs = aligned_alloc(64, (size_t)(ROWS * (padded + 2 * KEYS)) * 2);
-    room.queries = aligned_alloc(64, (size_t)(ROWS * dim) * 2);
-    room.output = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
-    const int ready = room.logits && room.probs && room.queries && room.output;
-    if (!ready) {
-#pragma omp atomic write
-        failed = 1;
-    }
-    shape_tiles(); /* each thread's own tile shape */
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-        if (!ready)
-            continue;
-        const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
-        const int64_t b = row / q_heads, h = row % q_heads, head = b * kv_heads + h / groups;
-        unit(packed_keys + head * padded * pairs, packed_values + head * padded * dim, dim, n, padded,
-             query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, room, out + b * o_batch + h * o_head,
-             o_row, lse + row * n + tile * ROWS, sums + row * n, locks + row);
-    }
-    _tile_release();
-    free(room.logits), free(room.probs), free(room.queries), free(room.output);
-    }
-    free(packed_keys), free(packed_values), free_row_locks(locks, rows);
-    return failed ? -1 : 0;
+    const Call call = {batch, kv_heads, groups, dim, n, query, q_batch, q_head, q_row, keys, k_batch, k_head, k_row,
+                       values, v_batch, v_head, v_row, scaling, out, o_batch, o_row, o_head, lse, sums};
+    return run_pass(&TILES, &call);
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
     (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)values, (void)v_batch, (void)v_head;
@@ -407,7 +477,9 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
 #if KVSIEVE_AVX512
 /* The float32 pass (no tiles): the keys of one (batch item, KV head) transposed by blocks of 16 (dimension a of key
  * block b's keys at [b][a][0 ... 15], one vector), zero past n up to `padded`. */
-static void transpose_keys(const float *keys, int64_t k_row, int64_t n, int64_t padded, int64_t dim, float *packed) {
+static void transpose_keys(const void *input, int64_t k_row, int64_t n, int64_t padded, int64_t dim, void *output) {
+    const float *keys = input;
+    float *packed = output;
     for (int64_t block = 0; block < padded / KEYS; ++block)
         for (int64_t a = 0; a < dim; ++a)
             for (int64_t l = 0; l < KEYS; ++l) {
@@ -417,7 +489,9 @@ static void transpose_keys(const float *keys, int64_t k_row, int64_t n, int64_t 
 }
 
 /* The values of one (batch item, KV head) as contiguous rows, zero past n up to `padded`. */
-static void copy_values(const float *values, int64_t v_row, int64_t n, int64_t padded, int64_t dim, float *packed) {
+static void copy_values(const void *input, int64_t v_row, int64_t n, int64_t padded, int64_t dim, void *output) {
+    const float *values = input;
+    float *packed = output;
     for (int64_t j = 0; j < padded; ++j)
         for (int64_t a = 0; a < dim; ++a)
             packed[j * dim + a] = j < n ? values[j * v_row + a] : 0.0f;
@@ -426,9 +500,11 @@ static void copy_values(const float *values, int64_t v_row, int64_t n, int64_t p
 /* One unit of the float32 pass: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). Logits four
  * queries x four key blocks at a time (sixteen sums in registers, each dimension one load per key block and one
  * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
-static void unit_f32(const float *keys, const float *values, int64_t dim, int64_t n, int64_t padded,
-                     const float *query, int64_t q_row, float scaling, int64_t t0, float *logits, float *queries,
-                     float *output, float *out, int64_t o_row, float *lse, float *sums, RowLock *lock) {
+static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
+                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
+    const float *keys = packed_keys, *values = packed_values, *query = input;
+    float *logits = room.logits, *queries = room.queries, *output = room.output, *out = result;
     const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
     const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
     memset(queries, 0, (size_t)(ROWS * dim) * 4);
@@ -511,6 +587,9 @@ static void unit_f32(const float *keys, const float *values, int64_t dim, int64_
     }
     add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
+
+/* The float32 pass: keys transposed by blocks, values as rows, no tiles. */
+static const Pass VECTORS = {4, 0, transpose_keys, copy_values, NULL, NULL, unit_f32};
 #endif
 
 /* kvsieve_causal_attention_with_column_sums for float32 tensors, with AVX-512 fused multiply-adds instead of the tiles
@@ -526,47 +605,9 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
 #if KVSIEVE_AVX512
     if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 16 || dim % 16 || dim > MOST_DIM || n < 1)
         return -1;
-    const int64_t q_heads = kv_heads * groups, rows = batch * q_heads;
-    const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = batch * kv_heads;
-    float *packed_keys = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
-    float *packed_values = aligned_alloc(64, (size_t)(heads * padded * dim) * 4);
-    RowLock *locks = row_locks(rows);
-    if (!packed_keys || !packed_values || !locks) {
-        free(packed_keys), free(packed_values), free_row_locks(locks, rows);
-        return -1;
-    }
-    memset(sums, 0, (size_t)(rows * n) * 4);
-    const int64_t units_per_row = (n + ROWS - 1) / ROWS, units = rows * units_per_row;
-    int failed = 0;
-#pragma omp parallel if (n >= 128)
-    {
-#pragma omp for schedule(static)
-    for (int64_t head = 0; head < heads; ++head) {
-        const int64_t b = head / kv_heads, g = head % kv_heads;
-        transpose_keys(keys + b * k_batch + g * k_head, k_row, n, padded, dim, packed_keys + head * padded * dim);
-        copy_values(values + b * v_batch + g * v_head, v_row, n, padded, dim, packed_values + head * padded * dim);
-    }
-    float *logits = aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4);
-    float *queries = aligned_alloc(64, (size_t)(ROWS * dim) * 4), *output = aligned_alloc(64, (size_t)(ROWS * dim) * 4);
-    const int ready = logits && queries && output;
-    if (!ready) {
-#pragma omp atomic write
-        failed = 1;
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-        if (!ready)
-            continue;
-        const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
-        const int64_t b = row / q_heads, h = row % q_heads, head = b * kv_heads + h / groups;
-        unit_f32(packed_keys + head * padded * dim, packed_values + head * padded * dim, dim, n, padded,
-                 query + b * q_batch + h * q_head, q_row, scaling, tile * ROWS, logits, queries, output,
-                 out + b * o_batch + h * o_head, o_row, lse + row * n + tile * ROWS, sums + row * n, locks + row);
-    }
-    free(logits), free(queries), free(output);
-    }
-    free(packed_keys), free(packed_values), free_row_locks(locks, rows);
-    return failed ? -1 : 0;
+    const Call call = {batch, kv_heads, groups, dim, n, query, q_batch, q_head, q_row, keys, k_batch, k_head, k_row,
+                       values, v_batch, v_head, v_row, scaling, out, o_batch, o_row, o_head, lse, sums};
+    return run_pass(&VECTORS, &call);
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
     (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)values, (void)v_batch, (void)v_head;

@@ -150,7 +150,9 @@ static void shape_tiles(void) {
         shape.bytes_per_row[tile] = 64;
         shape.rows[tile] = 16;
     }
-    _tile_loadconfig(&shape);
+    /* ldtilecfg with the whole 64-byte shape as its operand: GCC 12's _tile_loadconfig names only its first 8 bytes,
+     * so the compiler may drop the stores of the rest (it did once this function was no longer inlined) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(shape));
 }
 
 /* One round of the tiles: the float32 logits of 16 queries (t ... t + 15) against the GROUP_BLOCKS blocks of keys
