@@ -5,6 +5,8 @@ general step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import _COMMON, ALL_ARCHS, EAGER_ARCHS, build_model
@@ -16,6 +18,7 @@ from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import MERGE_COUNT
 from kvsieve.engine.merge_in_place import SIDES, MergeInPlace
 from kvsieve.native import merge_lowest
+from kvsieve.ops.rope import rotary_table, rotate
 
 pytestmark = pytest.mark.skipif(not merge_lowest.available(), reason="no C compiler: the general step only")
 
@@ -23,7 +26,8 @@ STEPS = 14
 
 
 def _decode(arch: str, dtype: torch.dtype, batch: int, in_place: bool, monkeypatch, budget: int = 24,
-            params: dict | None = None, near: float | None = None, model: torch.nn.Module | None = None):
+            params: dict | None = None, near: float | None = None, model: torch.nn.Module | None = None,
+            reset: Callable[[kvsieve.KVCache, torch.nn.Module], None] | None = None):
     """Greedy decoding under ``ems`` with ``schedule="decode"``, the pass on or off: tokens, logits, each managed
     layer's held state, the counters, and what ``merge_lowest`` returned at each call."""
     results: list[bool | None] = []
@@ -39,7 +43,8 @@ def _decode(arch: str, dtype: torch.dtype, batch: int, in_place: bool, monkeypat
                                                               .__name__ == "EvictThenMerge"))
     model = (model if model is not None else build_model(arch)).to(dtype)
     cache = kvsieve.KVCache(model, "ems", budget=budget, schedule="decode", **{"window": 8, **(params or {})})
-    tokens, logits = decode_loop(model, cache, prompt(batch, 40, seed=5), STEPS)
+    tokens, logits = decode_loop(model, cache, prompt(batch, 40, seed=5), STEPS,
+                                 after_step=None if reset is None else lambda step: reset(cache, model))
     state = []
     for layer in cache.layers:
         store = layer.store
@@ -181,3 +186,33 @@ def test_wide_heads_make_the_general_steps_decisions(dtype, params, monkeypatch)
     assert fast[4].count(True) >= 0.8 * (len(fast[4]) - 1) > 0
     assert any(bool((extras[MERGE_COUNT] > 1).any()) for *_, extras in fast[2])
     _assert_same_decisions(fast, general, dtype)
+
+
+def _nearly_collinear(cache: kvsieve.KVCache, model: torch.nn.Module) -> None:
+    """Every managed layer's stored keys set to one raw key plus a small wobble per position (1e-3 of it), rotated
+    at their positions, and every value to one vector: each to-be-merged entry's redundancies against the centres
+    all lie within ~1e-6 of 1 — inside float32's margin of one another (what a layer of nearly collinear keys gives
+    on the real model), far apart in float64."""
+    generator = torch.Generator().manual_seed(3)
+    for index, layer in enumerate(cache.layers):
+        store = layer.store
+        if store is None or SIDES[0] not in store.extras:
+            continue
+        view = store.dense()
+        dim = view.keys.shape[-1]
+        raw_key, value = torch.randn(2, dim, generator=generator)
+        wobble = 1e-3 * torch.randn(int(view.positions.max()) + 1, dim, generator=generator)
+        keys = rotate(raw_key + wobble[view.positions], view.positions, rotary_table(model.config, index))
+        view.keys.copy_(keys.to(view.keys.dtype))
+        view.values.copy_(value.to(view.values.dtype).expand_as(view.values))
+
+
+def test_redundancies_within_float32s_margin_are_decided_in_float64(monkeypatch):
+    """Redundancies that tie in float32 (within 2e-5 of one another): the pass decides them on the float64
+    redundancy, as the general step does, instead of handing the step to the general step."""
+    with torch.inference_mode():
+        fast = _decode("llama", torch.float32, 2, True, monkeypatch, reset=_nearly_collinear)
+        general = _decode("llama", torch.float32, 2, False, monkeypatch, reset=_nearly_collinear)
+    assert fast[4][0] is None and fast[4].count(True) >= 0.8 * (len(fast[4]) - 1) > 0
+    assert all(bool((extras[MERGE_COUNT] > 1).any()) for *_, extras in fast[2])  # merged, not evicted
+    _assert_same_decisions(fast, general, torch.float32)

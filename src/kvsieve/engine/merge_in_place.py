@@ -9,8 +9,9 @@ step spends ~300 small PyTorch operations per layer on it; :meth:`MergeInPlace.d
 :meth:`~kvsieve.cache.store_compaction.StoreCompaction.merge_lowest` (``native/merge.c``) when the policy is exactly
 those two parts (a subclass may score or merge otherwise) under a uniform per-layer budget. The side data it updates
 are the general step's bit for bit; the scores and merged rows are within float32 rounding (its sums run in double,
-torch's in float32 in another order), and its decisions are the general step's, a near tie going to the general
-step (``merge.c``).
+torch's in float32 in another order), and its decisions are the general step's: both decide the merge target on the
+float64 redundancy (the pass where float32 is too close to tell), and a tie even there, or between the lowest two
+scores, goes to the general step (``merge.c``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import MERGE_COUNT, count_bias
 from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin
-from kvsieve.ops.rope import half_cos_sin, rotary_table
+from kvsieve.ops.rope import half_cos_sin, half_cos_sin64, rotary_table
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
 from kvsieve.parts.scorers.global_local import GLOBAL, LOCAL_CUR, LOCAL_PAST, LOCAL_ROWS, GlobalLocal
 from kvsieve.policies.policy import Policy
@@ -63,7 +64,8 @@ class MergeInPlace:
     def rotary(self, config: Any, layer_idx: int, newest: int) -> RotaryCosSin:
         """The layer's rotary cos/sin table, unscaled, covering positions up to ``newest``
         (:func:`~kvsieve.ops.rope.half_cos_sin` over every position: the values the general step's
-        :func:`~kvsieve.ops.rope.unrotate` computes for the positions it reads)."""
+        :func:`~kvsieve.ops.rope.unrotate` computes for the positions it reads; and in float64,
+        :func:`~kvsieve.ops.rope.half_cos_sin64`, those of its exact redundancy)."""
         key = self._layer_keys.get(layer_idx)
         if key is None:
             table = rotary_table(config, layer_idx)
@@ -74,9 +76,12 @@ class MergeInPlace:
             rows = max(FIRST_ROWS, 2 * (newest + 1))
             if table.rotary_dim == 0:
                 cos = sin = torch.zeros(rows, 0, dtype=torch.float32)
+                cos64 = sin64 = torch.zeros(rows, 0, dtype=torch.float64)
             else:
                 cos, sin = half_cos_sin(table, torch.arange(rows))
-            known = RotaryCosSin(cos.contiguous(), sin.contiguous(), float(table.scaling))
+                cos64, sin64 = half_cos_sin64(table, torch.arange(rows))
+            known = RotaryCosSin(cos.contiguous(), sin.contiguous(), cos64.contiguous(), sin64.contiguous(),
+                                 float(table.scaling))
             self._tables[key] = known
         return known
 

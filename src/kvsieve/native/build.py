@@ -38,7 +38,7 @@ OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp"
 #: Libraries linked after the source (``expf``).
 LIBRARIES = ("-lm",)
 #: The C argument types the helpers' signatures are written in (``int``, ``int64_t``, a pointer, ``float``).
-I32, I64, PTR, F32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+I32, I64, PTR, F32, F64 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
 
 #: The ABI number the C source returns from ``kvsieve_native_abi`` (a stale cached build is not used).
 ABI = 1

@@ -17,8 +17,8 @@
  *   plan         the lowest score among the candidates is the one to-be-merged entry i (Sec. 4.2; with gamma = 1
  *                it is evicted); the other candidates are the class centres;
  *   redundancy   R_c = cos(k_i, k_c) * cos(v_i, v_c) on raw keys (un-rotated at their positions with the rotary
- *                table's cos and sin; Sec. 4.1), clamped to [-1, 1]; i merges into argmax_c R_c when that exceeds
- *                tau, else it is evicted (the zero class);
+ *                table's cos and sin; Sec. 4.1), clamped to [-1, 1]; i merges into argmax_c R_c (the first of equals)
+ *                when that exceeds tau, else it is evicted (the zero class); decided on R in float64 (below);
  *   merge        weights w = max(score, 1e-12): key = normalize(w_c k_c/|k_c| + w_i k_i/|k_i|) *
  *                (w_c|k_c| + w_i|k_i|) / (w_c + w_i) in raw space, re-rotated at the centre's position; value =
  *                (w_c v_c + w_i v_i) / (w_c + w_i); count = n_c + n_i (kvsieve.parts.actions.merge.merge_kept); a
@@ -27,9 +27,14 @@
  *
  * The score's two sums, the pooling, the norms and the dot products are summed here in double, not in torch's float32
  * order, so the scores and the merged rows are the general step's within float32 rounding, not bit for bit. The decisions
- * are kept equal: where the lowest two scores, the best two redundancies or the best one and tau lie within a margin
- * far above that rounding (NEAR), the call returns 1 after the observation with nothing moved, and the general step
- * plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries,
+ * are kept equal. The general step decides the merge target and the comparison with tau on the redundancy in float64
+ * (EvictThenMerge.assign); this pass screens in float32 and, where the best two redundancies or the best one and tau
+ * lie within a margin far above float32's rounding (NEAR), takes the float64 redundancy (redundancy64) of the centres
+ * within NEAR of the best: two float64 sums agree to ~1e-15, so that decides as the general step does unless they lie
+ * within EXACT_NEAR (session 29: such ties were most of what sent a layer to the general step — a layer of nearly
+ * collinear keys gives redundancies of 0.99999x within 1e-6 of one another). Where the lowest two scores lie within
+ * NEAR (relative), or the float64 redundancies within EXACT_NEAR, the call returns 1 after the observation with
+ * nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries,
  * except the redundancy, which runs on AVX-512 registers where the build has them (the same arithmetic, bit for bit).
  */
 #include <math.h>
@@ -42,6 +47,7 @@
 #define LANES 16       /* the redundancy's partial sums */
 #define NEAR 2e-5f     /* margin of a decision: relative for scores, absolute for redundancies (their rounding, here and
                           * in torch: below 4e-6) */
+#define EXACT_NEAR 1e-12 /* margin of a redundancy decision in double (two orders of summation: ~1e-15 apart) */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
@@ -74,6 +80,7 @@ static inline void store(void *base, int kind, int64_t index, float x) {
 
 typedef struct {
     const float *cos, *sin; /* (rows, half): the rotary table's cos and sin of each position, unscaled */
+    const double *cos64, *sin64; /* the same in double, of the same float32 angles (the exact redundancy's) */
     int64_t half, rows;
     float scaling, unrotate_factor; /* the attention factor the model multiplies them by, and 1 / that */
 } Rotary;
@@ -244,10 +251,60 @@ static float redundancy(const void *keys, const void *values, int kind, int64_t 
 #define redundancy redundancy_scalar
 #endif
 
+/* A stored key at `position` -> its raw key in double, without the attention factor (a cosine does not see it):
+ * x1 = y1 c + y2 s, x2 = y2 c - y1 s over the double table. */
+static void unrotate64(const void *keys, int kind, int64_t row, int64_t dim, int64_t position, const Rotary *rope,
+                       double *raw) {
+    const double *cos = rope->cos64 + position * rope->half, *sin = rope->sin64 + position * rope->half;
+    for (int64_t f = 0; f < rope->half; ++f) {
+        const double y1 = load(keys, kind, row * dim + f), y2 = load(keys, kind, row * dim + rope->half + f);
+        raw[f] = y1 * cos[f] + y2 * sin[f];
+        raw[rope->half + f] = y2 * cos[f] - y1 * sin[f];
+    }
+    for (int64_t e = 2 * rope->half; e < dim; ++e)
+        raw[e] = load(keys, kind, row * dim + e);
+}
+
+static double norm64(const double *x, int64_t dim) {
+    double sum = 0.0;
+    for (int64_t e = 0; e < dim; ++e)
+        sum += x[e] * x[e];
+    return sqrt(sum);
+}
+
+/* x / max(|x|, 1e-12) in place, in double. */
+static void unit64(double *x, int64_t dim) {
+    double n = norm64(x, dim);
+    if (n < MIN_WEIGHT)
+        n = MIN_WEIGHT;
+    for (int64_t e = 0; e < dim; ++e)
+        x[e] /= n;
+}
+
+/* The exact redundancy of the decisions (EvictThenMerge.assign's): R = cos(raw k_c, raw k_i) * cos(v_c, v_i) in
+ * double from the stored elements and the double table, clamped to [-1, 1]. Any two sums of these products agree to
+ * ~1e-15, so a decision made on it is the general step's unless two centres lie within EXACT_NEAR. */
+static double redundancy64(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
+                           const Rotary *rope, const double *unit_key, const double *unit_value) {
+    double k[MOST_DIM], v[MOST_DIM];
+    unrotate64(keys, kind, row, dim, position, rope, k);
+    for (int64_t e = 0; e < dim; ++e)
+        v[e] = load(values, kind, row * dim + e);
+    unit64(k, dim);
+    unit64(v, dim);
+    double key_cos = 0.0, value_cos = 0.0;
+    for (int64_t e = 0; e < dim; ++e) {
+        key_cos += k[e] * unit_key[e];
+        value_cos += v[e] * unit_value[e];
+    }
+    const double r = key_cos * value_cos;
+    return r < -1.0 ? -1.0 : r > 1.0 ? 1.0 : r;
+}
+
 typedef struct {
     int64_t window, kernel, candidates;
     int use_global, merges;
-    float tau;
+    double tau; /* compared in double, as torch compares the float64 redundancy with the Python float */
 } Ems;
 
 /* The observation of one segment's `length` entries (side data: capacity-row buffers at this segment's rows). */
@@ -387,6 +444,7 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
     unit(unit_vi, dim);
     float best = -INFINITY, runner = -INFINITY;
     int64_t best_at = -1;
+    float *redundancies = plain; /* the scores' scratch, free once pooled */
     for (int64_t c = 0; c < candidates; ++c) {
         if (c == at)
             continue;
@@ -394,6 +452,7 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
         r = r < -1.0f ? -1.0f : r > 1.0f ? 1.0f : r;
         if (isnan(r))
             return 0;
+        redundancies[c] = r;
         if (r > best) {
             runner = best;
             best = r;
@@ -401,9 +460,33 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
         } else if (r > runner)
             runner = r;
     }
-    if (fabsf(best - ems->tau) <= NEAR || (best > ems->tau && best - runner <= NEAR))
-        return 0;
-    if (best > ems->tau) {
+    int merges_into_best = best > ems->tau;
+    if (fabs(best - ems->tau) <= NEAR || (merges_into_best && best - runner <= NEAR)) {
+        /* too close for float32: the exact redundancy of the centres within the margin of the best (the exact best
+         * is among them: float32's error is below half the margin), the first of equals as torch's max takes it */
+        double raw64[MOST_DIM], value64[MOST_DIM], best64 = -INFINITY, runner64 = -INFINITY;
+        unrotate64(keys, kind, base + at, dim, positions[at], rope, raw64);
+        unit64(raw64, dim);
+        for (int64_t e = 0; e < dim; ++e)
+            value64[e] = load(values, kind, (base + at) * dim + e);
+        unit64(value64, dim);
+        for (int64_t c = 0; c < candidates; ++c) {
+            if (c == at || redundancies[c] < best - NEAR)
+                continue;
+            const double r = redundancy64(keys, values, kind, base + c, dim, positions[c], rope, raw64, value64);
+            if (r > best64) {
+                runner64 = best64;
+                best64 = r;
+                best_at = c;
+            } else if (r > runner64)
+                runner64 = r;
+        }
+        merges_into_best = best64 > (double)ems->tau;
+        if (isnan(best64) || fabs(best64 - (double)ems->tau) <= EXACT_NEAR
+                || (merges_into_best && best64 - runner64 <= EXACT_NEAR))
+            return 0;
+    }
+    if (merges_into_best) {
         *target = best_at;
         weights[0] = pooled[at] > MIN_WEIGHT ? pooled[at] : MIN_WEIGHT;
         weights[1] = pooled[best_at] > MIN_WEIGHT ? pooled[best_at] : MIN_WEIGHT;
@@ -413,7 +496,8 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
 
 /* rows: (batch, kv_heads * groups, length) float32, contiguous. glo, past, cur, held_rows, counts: float32 side data,
  * entry j of segment s at row s * capacity + j. keys, values: (rows, dim) of `kind`; positions: int64 per row.
- * cos, sin: (table_rows, half) float32, the rotary table's of each position (half 0: no rotary dims); scaling its
+ * cos, sin: (table_rows, half) float32, the rotary table's of each position (half 0: no rotary dims); cos64, sin64
+ * the same in double, of the same float32 angles (the exact redundancy's, for decisions too close for float32); scaling its
  * attention factor (rotate multiplies by it), unrotate_factor 1 / scaling (unrotate multiplies by that).
  * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats per
  * segment (the segments are planned in parallel on torch's OpenMP threads).
@@ -422,9 +506,10 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
  * the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
 int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_t length, int64_t capacity,
                          const float *rows, float *glo, float *past, float *cur, float *held_rows, float *counts,
-                         int64_t window, int64_t kernel, int64_t candidates, int use_global, int merges, float tau,
+                         int64_t window, int64_t kernel, int64_t candidates, int use_global, int merges, double tau,
                          void *keys, void *values, int kind, int64_t dim, const int64_t *positions,
-                         const float *cos, const float *sin, int64_t half, int64_t table_rows, float scaling,
+                         const float *cos, const float *sin, const double *cos64, const double *sin64, int64_t half,
+                         int64_t table_rows, float scaling,
                          float unrotate_factor, int n_buffers, char *const *buffers, const int64_t *row_bytes,
                          float *scratch, int64_t *dropped, int64_t *target, float *weights) {
     if (batch < 1 || kv_heads < 1 || groups < 1 || length < 2 || capacity < length || candidates < 1
@@ -439,7 +524,7 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
             if (half > 0 && (p < 0 || p >= table_rows))
                 return -1;
         }
-    const Rotary rope = {cos, sin, half, table_rows, scaling, unrotate_factor};
+    const Rotary rope = {cos, sin, cos64, sin64, half, table_rows, scaling, unrotate_factor};
     const Ems ems = {window, kernel, candidates, use_global, merges, tau};
     int decided = 1;
 #pragma omp parallel for schedule(static) if (segments * candidates >= 2048)

@@ -6,8 +6,10 @@ raw keys, merges or evicts it and drops it: in PyTorch some three hundred small 
 ``snapkv`` step). This pass does it in one ``ctypes`` call, in place, for
 :meth:`~kvsieve.cache.store_compaction.StoreCompaction.merge_lowest`. Its side data updates are the general step's
 bit for bit; its scores and merged rows are within float32 rounding of them (``merge.c`` says why), and its decisions
-are the general step's: where one lies within a margin far above that rounding it returns False after observing, and
-the general step plans.
+are the general step's: a redundancy decision too close for float32 is taken on the float64 redundancy, as the general
+step takes it (:class:`~kvsieve.parts.actions.evict_merge.EvictThenMerge`); where the scores' lowest two, or the
+float64 redundancies, lie within a margin far above their rounding it returns False after observing, and the general
+step plans.
 
 :func:`merge_lowest` returns None, with nothing changed, for anything it does not take (off the CPU, a dtype other
 than float32 or bfloat16, a buffer that is not contiguous rows, more than 16 query heads per KV head, a position past
@@ -24,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.native import build
-from kvsieve.native.build import F32, I32, I64, PTR
+from kvsieve.native.build import F32, F64, I32, I64, PTR
 from kvsieve.native.evict_lowest import MOST_GROUPS
 
 #: The argument types of ``kvsieve_merge_lowest`` (``merge.c``).
-ARGUMENTS = (I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I32, I32, F32, PTR, PTR, I32,
-             I64, PTR, PTR, PTR, I64, I64, F32, F32, I32, PTR, PTR, PTR, PTR, PTR, PTR)
+ARGUMENTS = (I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I32, I32, F64, PTR, PTR, I32,
+             I64, PTR, PTR, PTR, PTR, PTR, I64, I64, F32, F32, I32, PTR, PTR, PTR, PTR, PTR, PTR)
 #: What the C function returns: done, a decision within its margin (observed, nothing else changed).
 DONE, UNDECIDED = 0, 1
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -50,11 +52,14 @@ class GlobalLocalStep:
 
 @dataclass(frozen=True)
 class RotaryCosSin:
-    """A layer's rotary ``cos`` and ``sin`` ``(positions, rotary_dim / 2)`` float32 (unscaled), its attention factor
-    ``scaling``; ``half`` 0 for a layer without rotary dims."""
+    """A layer's rotary ``cos`` and ``sin`` ``(positions, rotary_dim / 2)`` float32 (unscaled), ``cos64`` and
+    ``sin64`` the same in float64 of the same float32 angles (:func:`~kvsieve.ops.rope.half_cos_sin64`: the exact
+    redundancy's), its attention factor ``scaling``; ``half`` 0 for a layer without rotary dims."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    cos64: torch.Tensor
+    sin64: torch.Tensor
     scaling: float
 
     @property
@@ -66,6 +71,16 @@ class RotaryCosSin:
     @property
     def half(self) -> int:
         return self.cos.shape[1]
+
+    def __post_init__(self) -> None:
+        dtypes = (torch.float32, torch.float32, torch.float64, torch.float64)
+        if any(t.dtype != dtype or t.shape != self.cos.shape or t.device.type != "cpu" or not t.is_contiguous()
+               for t, dtype in zip(self.tables(), dtypes, strict=True)) or self.cos.dim() != 2:
+            raise ValueError("RotaryCosSin: cos, sin (float32) and cos64, sin64 (float64) must be contiguous CPU "
+                             "tables of one shape (positions, rotary_dim / 2)")
+
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        return self.cos, self.sin, self.cos64, self.sin64
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -98,8 +113,7 @@ def merge_lowest(rows: torch.Tensor, kv_heads: int, sides: Sequence[torch.Tensor
     if (rows.device.type != "cpu" or rows.dtype != torch.float32 or not rows.is_contiguous()
             or not 1 <= groups <= MOST_GROUPS or groups * kv_heads != q_heads or kind is None
             or values.dtype != keys.dtype or len(sides) != 4 or not 1 <= candidates <= length or capacity < length
-            or positions.dtype != torch.long or rotary.cos.dtype != torch.float32
-            or rotary.sin.shape != rotary.cos.shape or not rotary.cos.is_contiguous() or not rotary.sin.is_contiguous()
+            or positions.dtype != torch.long
             or any(t.dtype != torch.float32 or t.numel() != segments * capacity for t in float_buffers)
             or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape[0] != segments * capacity
                    for t in (keys, values, positions, *float_buffers, *buffers))):
@@ -117,7 +131,7 @@ def merge_lowest(rows: torch.Tensor, kv_heads: int, sides: Sequence[torch.Tensor
     status = kernel(batch, kv_heads, groups, length, capacity, rows.data_ptr(), glo.data_ptr(), past.data_ptr(),
                     cur.data_ptr(), held.data_ptr(), counts.data_ptr(), ems.window, ems.kernel, candidates,
                     int(ems.use_global), int(ems.merges), ems.tau, keys.data_ptr(), values.data_ptr(), kind,
-                    keys.shape[1], positions.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.half,
+                    keys.shape[1], positions.data_ptr(), *(t.data_ptr() for t in rotary.tables()), rotary.half,
                     rotary.cos.shape[0], rotary.scaling, rotary.unrotate_factor,
                     len(buffers), pointers, row_bytes, scratch.data_ptr(), dropped.data_ptr(), target.data_ptr(),
                     weights.data_ptr())

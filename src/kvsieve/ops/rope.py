@@ -123,6 +123,15 @@ def half_cos_sin(table: RotaryTable, positions: torch.Tensor, factor: float = 1.
     return cos, sin
 
 
+def half_cos_sin64(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`half_cos_sin`'s angles (the float32 products ``position · inv_freq``) with their ``cos, sin`` taken in
+    float64, unscaled: the tables of :func:`unrotate_exact`, equal wherever they are computed (a float64 ``cos`` is
+    within an ulp of the exact one, where a float32 table's vector and scalar paths may differ in the last bit)."""
+    freqs = positions.to(torch.float32)[..., None] * table.inv_freq.to(positions.device)
+    wide = freqs.double()
+    return wide.cos(), wide.sin()
+
+
 def cos_sin(table: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` ``(..., rotary_dim)`` of ``positions`` ``(...)``, scaled by the attention factor (float32)."""
     cos, sin = half_cos_sin(table, positions, table.scaling)  # each half once (transformers: ``cat(freqs, freqs)``)
@@ -167,3 +176,18 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) ->
     if 2 * half < keys.shape[-1]:  # partial rotary: the rest as stored
         raw[..., 2 * half :] = keys[..., 2 * half :]
     return raw
+
+
+def unrotate_exact(keys: torch.Tensor, positions: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+    """Stored keys ``(..., d)`` at ``positions`` → their raw directions in float64: :func:`unrotate` without the
+    attention factor (a cosine does not see it), ``x₁ = y₁·cos + y₂·sin``, ``x₂ = y₂·cos − y₁·sin`` over
+    :func:`half_cos_sin64`. For decisions on cosines that must come out the same in another implementation
+    (``native/merge.c``'s ``unrotate64``): two float64 computations agree to ~1e-15, float32 ones differ by ~1e-6."""
+    wide = keys.double()
+    if table.rotary_dim == 0:
+        return wide
+    half = table.rotary_dim // 2
+    cos, sin = half_cos_sin64(table, positions)
+    first, second = wide[..., :half], wide[..., half : 2 * half]
+    turned = (first * cos + second * sin, second * cos - first * sin)
+    return torch.cat((*turned, wide[..., 2 * half :]), dim=-1)

@@ -15,7 +15,12 @@ Each TBM entry ``i`` goes to ``d_i = argmax_c R_{i,c}`` over the centres with th
 positions with the layer's rotary table (:mod:`kvsieve.ops.rope`) — and is merged into it only if
 ``R_{i,d_i} > τ`` (the paper's "exceeding"/"above τ", App. B; ``R`` is clamped to ``[-1, 1]`` so ``τ = 1``
 is exactly pure eviction by the same score, as Table 6 reads it); otherwise it joins the zero class
-(evicted). The issue text says ``R ≥ τ``: the two differ only on exact ties.
+(evicted). The issue text says ``R ≥ τ``: the two differ only on exact ties. ``R`` is computed in float64
+(:func:`~kvsieve.ops.rope.unrotate_exact`: the raw keys' directions from the stored elements and float64 cos/sin):
+the target and the comparison with ``τ`` are then the same in any implementation that sums in float64 (two orders of
+summation agree to ~1e-15), where float32 ones differ by ~1e-6 and would pick either of two centres that nearly tie —
+which happens: a layer whose keys and values are nearly collinear gives redundancies of 0.99999x within 1e-6 of each
+other. ``native/merge.c`` screens in float32 and takes the float64 redundancy where the float32 one is too close.
 
 Merge (executed by :func:`kvsieve.parts.actions.merge.merge_kept`): weights are the scorer's scores
 (``w_i`` of a TBM entry, ``w_c`` of the centre itself; floored at ``1e-12`` so a zero score cannot zero
@@ -45,7 +50,7 @@ from kvsieve.core.part import PolicyConfigError, is_number, require_number
 from kvsieve.core.plan import Plan
 from kvsieve.core.step import LayerStep
 from kvsieve.models.architectures import ModelInfo
-from kvsieve.ops.rope import rotary_table, unrotate
+from kvsieve.ops.rope import rotary_table, unrotate_exact
 from kvsieve.parts.actions.merge import Merge, RawKeyPlan
 
 #: Smallest merge weight (a zero score must not cancel a merge's normalisation).
@@ -120,10 +125,10 @@ class EvictThenMerge(Merge):
 
         def raw_unit_keys(idx: torch.Tensor) -> torch.Tensor:
             k = keys.gather(1, idx[..., None].expand(-1, -1, dim))
-            return _unit(unrotate(k, positions.gather(1, idx), plan.rotary))  # type: ignore[arg-type]
+            return _unit(unrotate_exact(k, positions.gather(1, idx), plan.rotary))  # type: ignore[arg-type]
 
         def unit_values(idx: torch.Tensor) -> torch.Tensor:
-            return _unit(values.gather(1, idx[..., None].expand(-1, -1, dim)).float())
+            return _unit(values.gather(1, idx[..., None].expand(-1, -1, dim)).double())
 
         redundancy = torch.matmul(raw_unit_keys(tbm), raw_unit_keys(keep_idx).transpose(1, 2))
         redundancy = redundancy * torch.matmul(unit_values(tbm), unit_values(keep_idx).transpose(1, 2))
