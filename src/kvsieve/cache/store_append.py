@@ -92,6 +92,7 @@ class StoreAppend(StoreLayout):
         self.extras = {name: grow(t) for name, t in self.extras.items()}
         self._uniform = (length, capacity)
         self._capacity_cache = None
+        self._merge_buffers = None
         self._gather_cache = None
         self._segment_lookup = None
 

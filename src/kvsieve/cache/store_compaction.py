@@ -15,7 +15,7 @@ from kvsieve.cache.length_groups import call_cost, compact_step_cost, partitions
 from kvsieve.cache.store_hook import StoreHook
 from kvsieve.cache.store_layout import StoreLayout, ordered_starts, run_capacities
 from kvsieve.native.evict_lowest import accumulate_and_evict, evict_lowest
-from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin, merge_lowest
+from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin, merge_lowest, prepare
 
 #: The most padding a padded layout or strided runs may hold, as a share of the held entries
 #: (:meth:`StoreCompaction.pads`, :meth:`StoreCompaction.plan_runs`) ...
@@ -252,13 +252,20 @@ class StoreCompaction(StoreLayout):
         if not self._drops_in_place(reserve) or any(name not in self._extras for name in (*sides, counts)):
             return None
         assert self._uniform is not None
-        result = merge_lowest(rows, self.heads, [self._extras[name] for name in sides], self._extras[counts],
-                              self._uniform[1], candidates, ems, self.keys, self.values, self.positions, rotary,
-                              self._buffers())
+        extras = self._extras
+        tensors = (*(extras[name] for name in sides), extras[counts], self.keys, self.values, self.positions,
+                   *self._buffers())
+        prepared = self._merge_buffers
+        if prepared is None or not prepared.holds(tensors):  # checked once while the buffers stay
+            prepared = self._merge_buffers = prepare(self.segments, tensors[:4], tensors[4], self._uniform[1],
+                                                     self.keys, self.values, self.positions, self._buffers())
+            if prepared is None:
+                return None
+        result = merge_lowest(rows, self.heads, prepared, candidates, ems, rotary)
         if result is None or result is False:
             return result
-        dropped, target = result
-        if bool((target >= 0).any()):
+        dropped, merged = result
+        if merged:
             self.written_sides.add(counts)  # every attention path now adds log(count) (LayerStep.bias)
         return self._dropped_in_place(dropped)
 
@@ -279,9 +286,9 @@ class StoreCompaction(StoreLayout):
             return dropped
         assert self._uniform is not None
         length, cap = self._uniform
-        capacity_views = self._capacity_cache  # the same buffers: their views stay
+        capacity_views, merge_buffers = self._capacity_cache, self._merge_buffers  # the same buffers: they stay
         self._set_uniform(length - 1, cap)
-        self._capacity_cache = capacity_views
+        self._capacity_cache, self._merge_buffers = capacity_views, merge_buffers
         self._layout_changed()
         return True
 

@@ -33,6 +33,7 @@ import torch
 from kvsieve.cache.deferred_side import DeferredSide
 from kvsieve.cache.dense_view import DenseView
 from kvsieve.cache.length_groups import LengthGroup, RunViews, call_cost, plan_groups
+from kvsieve.native.merge_lowest import MergeBuffers
 
 #: Keys, values and positions of a uniform layout viewed ``(batch, heads, capacity, ...)``.
 CapacityViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -108,6 +109,7 @@ class StoreLayout:
         self._groups: tuple[list[LengthGroup] | None, int] | None = None
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
+        self._merge_buffers: MergeBuffers | None = None  # the EMS pass's checked view (store_compaction)
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
         #: Which rows each query row of a one-call decoding step sees, as an additive mask (:meth:`one_call_mask`),
@@ -236,6 +238,7 @@ class StoreLayout:
         self._appended = None
         self._groups = None
         self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
+        self._merge_buffers = None  # likewise
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise
         self._one_call_mask = None

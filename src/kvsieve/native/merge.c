@@ -34,8 +34,10 @@
  * within EXACT_NEAR (session 29: such ties were most of what sent a layer to the general step — a layer of nearly
  * collinear keys gives redundancies of 0.99999x within 1e-6 of one another). Where the lowest two scores lie within
  * NEAR (relative), or the float64 redundancies within EXACT_NEAR, the call returns 1 after the observation with
- * nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes of the loops over a head's entries,
- * except the redundancy, which runs on AVX-512 registers where the build has them (the same arithmetic, bit for bit).
+ * nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes
+ * of the loops over a head's entries, except the redundancy, which runs on AVX-512 registers where the build has them (the same products, its lanes summed
+ * by the register's reduction: within float32 rounding of the portable loops). The segments are planned on torch's
+ * OpenMP threads once there are at least two and PARALLEL_WORK candidates in all.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +49,7 @@
 #define LANES 16       /* the redundancy's partial sums */
 #define NEAR 2e-5f     /* margin of a decision: relative for scores, absolute for redundancies (their rounding, here and
                           * in torch: below 4e-6) */
+#define PARALLEL_WORK 512 /* segments x candidates from which the segments are planned on several threads */
 #define EXACT_NEAR 1e-12 /* margin of a redundancy decision in double (two orders of summation: ~1e-15 apart) */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
@@ -193,9 +196,11 @@ static inline __m512 load16(const void *base, int kind, int64_t index) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* redundancy_scalar's arithmetic, lane for lane and in the same order (multiplies and adds, no fused ones: the build
- * has -ffp-contract=off), with each LANES-wide step in one register: the same float32 results, bit for bit, ~10x
- * faster than what the compiler made of the loops (the redundancy was ~90% of the pass, ~150 ns per centre). */
+/* redundancy_scalar's arithmetic with each LANES-wide step in one register, the lanes summed by the register's own
+ * reduction (session 29; before, lane by lane in redundancy_scalar's order, bit for bit with it, which the decisions
+ * no longer need: the float32 redundancy only screens, within its margin, and the float64 one decides near ties):
+ * within float32 rounding of the portable loops, ~10x faster than what the compiler made of them (the redundancy was
+ * ~90% of the pass, ~150 ns per centre). */
 static float redundancy(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
                         const Rotary *rope, const float *unit_key, const float *unit_value) {
     const float *cos = rope->cos + position * rope->half, *sin = rope->sin + position * rope->half;
@@ -217,35 +222,28 @@ static float redundancy(const void *keys, const void *values, int kind, int64_t 
         vd = _mm512_add_ps(vd, _mm512_mul_ps(v, u));
         vs = _mm512_add_ps(vs, _mm512_mul_ps(v, v));
     }
-    float key_dot[LANES], key_sq[LANES], value_dot[LANES], value_sq[LANES];
-    _mm512_storeu_ps(key_dot, kd);
-    _mm512_storeu_ps(key_sq, ks);
-    _mm512_storeu_ps(value_dot, vd);
-    _mm512_storeu_ps(value_sq, vs);
-    for (; f < half; ++f) { /* the tails into lane 0, as redundancy_scalar adds them */
+    float key_dot = _mm512_reduce_add_ps(kd), key_sq = _mm512_reduce_add_ps(ks);
+    float value_dot = _mm512_reduce_add_ps(vd), value_sq = _mm512_reduce_add_ps(vs);
+    for (; f < half; ++f) { /* the tails */
         const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
         const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
-        key_dot[0] += x1 * unit_key[f] + x2 * unit_key[half + f];
-        key_sq[0] += x1 * x1 + x2 * x2;
+        key_dot += x1 * unit_key[f] + x2 * unit_key[half + f];
+        key_sq += x1 * x1 + x2 * x2;
     }
     for (int64_t d = 2 * half; d < dim; ++d) {
         const float k = load(keys, kind, start + d);
-        key_dot[0] += k * unit_key[d];
-        key_sq[0] += k * k;
+        key_dot += k * unit_key[d];
+        key_sq += k * k;
     }
     for (; e < dim; ++e) {
         const float v = load(values, kind, start + e);
-        value_dot[0] += v * unit_value[e];
-        value_sq[0] += v * v;
+        value_dot += v * unit_value[e];
+        value_sq += v * v;
     }
-    for (int l = 1; l < LANES; ++l) {
-        key_dot[0] += key_dot[l], key_sq[0] += key_sq[l];
-        value_dot[0] += value_dot[l], value_sq[0] += value_sq[l];
-    }
-    float key_norm = sqrtf(key_sq[0]), value_norm = sqrtf(value_sq[0]);
+    float key_norm = sqrtf(key_sq), value_norm = sqrtf(value_sq);
     key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
     value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
-    return (key_dot[0] / key_norm) * (value_dot[0] / value_norm);
+    return (key_dot / key_norm) * (value_dot / value_norm);
 }
 #else
 #define redundancy redundancy_scalar
@@ -502,8 +500,8 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
  * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats per
  * segment (the segments are planned in parallel on torch's OpenMP threads).
  * dropped, target: (batch * kv_heads) int64, written (target -1: evicted); weights: 2 * batch * kv_heads floats
- * (each merge's w_i, w_c), written. Returns 0 (done), 1 (a decision within
- * the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
+ * (each merge's w_i, w_c), written. Returns 0 (done, nothing merged), 2 (done, some segment merged), 1 (a
+ * decision within the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
 int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_t length, int64_t capacity,
                          const float *rows, float *glo, float *past, float *cur, float *held_rows, float *counts,
                          int64_t window, int64_t kernel, int64_t candidates, int use_global, int merges, double tau,
@@ -527,7 +525,7 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
     const Rotary rope = {cos, sin, cos64, sin64, half, table_rows, scaling, unrotate_factor};
     const Ems ems = {window, kernel, candidates, use_global, merges, tau};
     int decided = 1;
-#pragma omp parallel for schedule(static) if (segments * candidates >= 2048)
+#pragma omp parallel for schedule(static) if (segments > 1 && segments * candidates >= PARALLEL_WORK)
     for (int64_t s = 0; s < segments; ++s) {
         const int64_t base = s * capacity;
         observe(rows + s * groups * length, groups, length, glo + base, past + base, cur + base, held_rows + base,
@@ -540,7 +538,9 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
     }
     if (!decided)
         return 1;
+    int merged = 0;
     for (int64_t s = 0; s < segments; ++s) {
+        merged |= target[s] >= 0;
         if (target[s] >= 0)
             merge(keys, values, counts, kind, dim, positions, &rope, s * capacity + target[s],
                   s * capacity + dropped[s], weights[2 * s + 1], weights[2 * s]);
@@ -552,5 +552,5 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
             memmove(row, row + row_bytes[b], (size_t)(moved * row_bytes[b]));
         }
     }
-    return 0;
+    return merged ? 2 : 0;
 }

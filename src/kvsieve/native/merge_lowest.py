@@ -32,8 +32,9 @@ from kvsieve.native.evict_lowest import MOST_GROUPS
 #: The argument types of ``kvsieve_merge_lowest`` (``merge.c``).
 ARGUMENTS = (I64, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I32, I32, F64, PTR, PTR, I32,
              I64, PTR, PTR, PTR, PTR, PTR, I64, I64, F32, F32, I32, PTR, PTR, PTR, PTR, PTR, PTR)
-#: What the C function returns: done, a decision within its margin (observed, nothing else changed).
-DONE, UNDECIDED = 0, 1
+#: What the C function returns: done (no segment merged), a decision within its margin (observed, nothing else
+#: changed), done with a merge.
+DONE, UNDECIDED, DONE_MERGED = 0, 1, 2
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -92,51 +93,82 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def merge_lowest(rows: torch.Tensor, kv_heads: int, sides: Sequence[torch.Tensor], counts: torch.Tensor,
-                 capacity: int, candidates: int, ems: GlobalLocalStep, keys: torch.Tensor, values: torch.Tensor,
-                 positions: torch.Tensor, rotary: RotaryCosSin, buffers: Sequence[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor] | bool | None:
-    """One EMS decoding compaction of every segment (module docstring) from ``rows`` ``(batch, q_heads, 1, L)`` (the
-    query's float32 softmax rows over the ``L`` held entries, contiguous): ``sides`` the score's side data (s_glo,
-    s_loc's past and current parts, the current part's row count) and ``counts`` the merge counts, float32 with
-    ``capacity`` rows per segment; ``keys``/``values`` ``(rows, d)`` and ``positions`` the store's buffers;
-    ``buffers`` every buffer the drop moves (all of them). The newest ``L − candidates`` entries are protected.
+@dataclass(frozen=True)
+class MergeBuffers:
+    """One uniform store's buffers as the pass takes them, checked once (:func:`prepare`) and kept by the store while
+    its buffers stay (issue 22: the checks, the pointer arrays and the outputs' allocations were ~25 µs of each
+    layer's call). ``tensors``: the side data, the counts, keys, values, positions and every buffer the drop moves,
+    compared by identity (:meth:`holds`); ``dropped``, ``target``, ``weights`` and ``scratch`` the call's outputs and
+    scratch, rewritten by every call."""
 
-    Returns ``(dropped, target)`` per segment (``target`` −1: evicted) when done; False when a decision lay within
-    the margin (the side data were observed, nothing else changed); None, with nothing changed, where the pass does
-    not apply."""
-    batch, q_heads, _, length = rows.shape
-    groups = q_heads // kv_heads if kv_heads else 0
-    segments = batch * kv_heads
+    tensors: tuple[torch.Tensor, ...]
+    segments: int
+    capacity: int
+    kind: int
+    dim: int
+    pointers: ctypes.Array  # type: ignore[type-arg]
+    row_bytes: ctypes.Array  # type: ignore[type-arg]
+    dropped: torch.Tensor
+    target: torch.Tensor
+    weights: torch.Tensor
+    scratch: torch.Tensor
+
+    def holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` (:func:`prepare`'s order) are the very tensors checked."""
+        return len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors, strict=True))
+
+
+def prepare(segments: int, sides: Sequence[torch.Tensor], counts: torch.Tensor, capacity: int, keys: torch.Tensor,
+            values: torch.Tensor, positions: torch.Tensor, buffers: Sequence[torch.Tensor]) -> MergeBuffers | None:
+    """The pass's view of a uniform store of ``segments`` segments of ``capacity`` rows (:func:`merge_lowest`'s
+    arguments), or None, where it does not take them: ``sides`` the score's side data (s_glo, s_loc's past and
+    current parts, the current part's row count) and ``counts`` the merge counts, float32; ``keys``/``values``
+    ``(rows, d)`` float32 or bfloat16 and ``positions`` int64; ``buffers`` every buffer the drop moves (all of them);
+    every one contiguous rows on the CPU."""
     kind = KINDS.get(keys.dtype)
     float_buffers = (*sides, counts)
-    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or not rows.is_contiguous()
-            or not 1 <= groups <= MOST_GROUPS or groups * kv_heads != q_heads or kind is None
-            or values.dtype != keys.dtype or len(sides) != 4 or not 1 <= candidates <= length or capacity < length
-            or positions.dtype != torch.long
+    if (kind is None or values.dtype != keys.dtype or len(sides) != 4 or positions.dtype != torch.long
+            or segments < 1 or capacity < 2
             or any(t.dtype != torch.float32 or t.numel() != segments * capacity for t in float_buffers)
             or any(t.device.type != "cpu" or not t.is_contiguous() or t.shape[0] != segments * capacity
                    for t in (keys, values, positions, *float_buffers, *buffers))):
         return None
+    pointers = (ctypes.c_void_p * len(buffers))(*(t.data_ptr() for t in buffers))
+    row_bytes = (ctypes.c_int64 * len(buffers))(*(math.prod(t.shape[1:]) * t.element_size() for t in buffers))
+    return MergeBuffers((*sides, counts, keys, values, positions, *buffers), segments, capacity, kind, keys.shape[1],
+                        pointers, row_bytes, torch.empty(segments, dtype=torch.long),
+                        torch.empty(segments, dtype=torch.long), torch.empty(2 * segments, dtype=torch.float32),
+                        torch.empty(segments * 2 * capacity, dtype=torch.float32))
+
+
+def merge_lowest(rows: torch.Tensor, kv_heads: int, prepared: MergeBuffers, candidates: int, ems: GlobalLocalStep,
+                 rotary: RotaryCosSin) -> tuple[torch.Tensor, bool] | bool | None:
+    """One EMS decoding compaction of every segment (module docstring) from ``rows`` ``(batch, q_heads, 1, L)`` (the
+    query's float32 softmax rows over the ``L`` held entries, contiguous) over the buffers ``prepared`` checked. The
+    newest ``L − candidates`` entries are protected.
+
+    Returns ``(dropped, merged)`` when done: each segment's dropped entry (``prepared.dropped``, rewritten by the
+    next call) and whether any segment merged; False when a decision lay within the margin (the side data were
+    observed, nothing else changed); None, with nothing changed, where the pass does not apply."""
+    batch, q_heads, _, length = rows.shape
+    groups = q_heads // kv_heads if kv_heads else 0
+    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or not rows.is_contiguous()
+            or not 1 <= groups <= MOST_GROUPS or groups * kv_heads != q_heads or batch * kv_heads != prepared.segments
+            or not 1 <= candidates <= length or not 2 <= length <= prepared.capacity):
+        return None
     kernel = _kernel()
     if kernel is None:
         return None
-    dropped = torch.empty(segments, dtype=torch.long)
-    target = torch.empty(segments, dtype=torch.long)
-    weights = torch.empty(2 * segments, dtype=torch.float32)
-    scratch = torch.empty(segments * 2 * length, dtype=torch.float32)
-    pointers = (ctypes.c_void_p * len(buffers))(*(t.data_ptr() for t in buffers))
-    row_bytes = (ctypes.c_int64 * len(buffers))(*(math.prod(t.shape[1:]) * t.element_size() for t in buffers))
-    glo, past, cur, held = sides
-    status = kernel(batch, kv_heads, groups, length, capacity, rows.data_ptr(), glo.data_ptr(), past.data_ptr(),
-                    cur.data_ptr(), held.data_ptr(), counts.data_ptr(), ems.window, ems.kernel, candidates,
-                    int(ems.use_global), int(ems.merges), ems.tau, keys.data_ptr(), values.data_ptr(), kind,
-                    keys.shape[1], positions.data_ptr(), *(t.data_ptr() for t in rotary.tables()), rotary.half,
-                    rotary.cos.shape[0], rotary.scaling, rotary.unrotate_factor,
-                    len(buffers), pointers, row_bytes, scratch.data_ptr(), dropped.data_ptr(), target.data_ptr(),
-                    weights.data_ptr())
-    if status == DONE:
-        return dropped, target
+    glo, past, cur, held, counts, keys, values, positions = prepared.tensors[:8]
+    status = kernel(batch, kv_heads, groups, length, prepared.capacity, rows.data_ptr(), glo.data_ptr(),
+                    past.data_ptr(), cur.data_ptr(), held.data_ptr(), counts.data_ptr(), ems.window, ems.kernel,
+                    candidates, int(ems.use_global), int(ems.merges), ems.tau, keys.data_ptr(), values.data_ptr(),
+                    prepared.kind, prepared.dim, positions.data_ptr(), *(t.data_ptr() for t in rotary.tables()),
+                    rotary.half, rotary.cos.shape[0], rotary.scaling, rotary.unrotate_factor,
+                    len(prepared.pointers), prepared.pointers, prepared.row_bytes, prepared.scratch.data_ptr(),
+                    prepared.dropped.data_ptr(), prepared.target.data_ptr(), prepared.weights.data_ptr())
+    if status in (DONE, DONE_MERGED):
+        return prepared.dropped, status == DONE_MERGED
     if status == UNDECIDED:
         return False
     return None
