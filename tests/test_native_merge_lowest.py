@@ -216,3 +216,33 @@ def test_redundancies_within_float32s_margin_are_decided_in_float64(monkeypatch)
     assert fast[4][0] is None and fast[4].count(True) >= 0.8 * (len(fast[4]) - 1) > 0
     assert all(bool((extras[MERGE_COUNT] > 1).any()) for *_, extras in fast[2])  # merged, not evicted
     _assert_same_decisions(fast, general, torch.float32)
+
+
+def _scores_a_millionth_apart(cache: kvsieve.KVCache, model: torch.nn.Module) -> None:
+    """Each head's Global-Local side data set so that its scores are 1e8·(1 + 1e-6·k) over a shuffled k (s_glo and
+    s_loc's past part alike, the current part and its row count zero: a decoding row, below half an ulp of 1e8, adds
+    nothing, and the merges' weights stay far from float32's overflow): the lowest two lie 1e-6 apart, relative —
+    within float32's rounding of two summation orders, outside the float64 scores'."""
+    generator = torch.Generator().manual_seed(4)
+    for layer in cache.layers:
+        store = layer.store
+        if store is None or SIDES[0] not in store.extras:
+            continue
+        view = store.dense()
+        length = view.positions.shape[-1]
+        spaced = 1e8 * (1.0 + 1e-6 * torch.randperm(length, generator=generator).double()).float()
+        for name, value in zip(SIDES, (spaced, spaced, 0.0, 0.0), strict=True):
+            view.extras[name].copy_(torch.as_tensor(value).expand_as(view.extras[name]))
+
+
+def test_scores_a_millionth_apart_are_decided_by_the_pass(monkeypatch):
+    """The scores are Eq. 2 and the pooling in float64, rounded once (GlobalLocal.raw and merge.c alike): the same
+    float32 scores on both sides, so two lowest scores 1e-6 apart (a float32 near tie before) are decided by the pass
+    as the general step decides them."""
+    with torch.inference_mode():
+        fast = _decode("llama", torch.float32, 2, True, monkeypatch, params={"kernel_size": 1},
+                       reset=_scores_a_millionth_apart)
+        general = _decode("llama", torch.float32, 2, False, monkeypatch, params={"kernel_size": 1},
+                          reset=_scores_a_millionth_apart)
+    assert fast[4].count(True) >= 0.9 * (len(fast[4]) - 3) > 0  # the general step for exact ties only
+    _assert_same_decisions(fast, general, torch.float32)

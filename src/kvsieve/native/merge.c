@@ -47,9 +47,12 @@
 #define MOST_DIM 256
 #define MIN_WEIGHT 1e-12f /* evict_merge.MIN_WEIGHT and merge.EPS */
 #define LANES 16       /* the redundancy's partial sums */
-#define NEAR 2e-5f     /* margin of a decision: relative for scores, absolute for redundancies (their rounding, here and
-                          * in torch: below 4e-6) */
+#define NEAR 2e-5f     /* margin of a redundancy decision in float32, absolute (its rounding, here and in torch: below
+                          * 4e-6) */
+#define SCORE_NEAR 5e-7f /* margin of the lowest score, relative: four float32 ulps (the scores are torch's bit for bit
+                          * but where the float64 sums' last bits decide a rounding) */
 #define PARALLEL_WORK 512 /* segments x candidates from which the segments are planned on several threads */
+#define PARALLEL_MOVES 2048 /* segments x entries from which they are merged and dropped on several threads */
 #define EXACT_NEAR 1e-12 /* margin of a redundancy decision in double (two orders of summation: ~1e-15 apart) */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
@@ -329,39 +332,46 @@ static void observe(const float *rows, int64_t groups, int64_t length, float *gl
     }
 }
 
-/* Eq. 2, the window zeroed and the mean pool: pooled[0 .. length - 1]; plain[] is scratch of the same size. */
+/* Eq. 2 of entry j in double, 0 from the window on: max(glo * ratio, past + cur), past + cur added in float32 as torch
+ * adds them (GlobalLocal.raw). */
+static inline double eq2(const float *glo, const float *past, const float *cur, int64_t j, int64_t length,
+                         double ratio, const Ems *ems) {
+    if (j >= length - ems->window)
+        return 0.0;
+    const double local = (double)(past[j] + cur[j]);
+    if (!ems->use_global)
+        return local;
+    const double scaled = (double)glo[j] * ratio;
+    return scaled > local ? scaled : local;
+}
+
+/* Eq. 2, the window zeroed and the mean pool in double, rounded to float32 once (GlobalLocal.raw computes the same in
+ * float64: two sums of these agree to ~1e-16, so the float32 scores are torch's bit for bit but where one lies within
+ * that of a float32 rounding boundary): pooled[0 .. length - 1]. */
 static void scores(const float *glo, const float *past, const float *cur, int64_t length, const Ems *ems,
-                   float *plain, float *pooled) {
-    double sum_loc = 0.0, sum_glo = 0.0; /* in double: within one rounding of the exact sums, as torch's are close */
+                   float *pooled) {
+    double sum_loc = 0.0, sum_glo = 0.0;
     for (int64_t j = 0; j < length; ++j) {
-        plain[j] = past[j] + cur[j];
-        sum_loc += plain[j];
+        sum_loc += (double)(past[j] + cur[j]);
         sum_glo += glo[j];
     }
-    float ratio = (float)sum_loc / (float)sum_glo;
+    double ratio = sum_loc / sum_glo;
     if (!isfinite(ratio))
-        ratio = 0.0f;
-    for (int64_t j = 0; j < length; ++j) {
-        if (j >= length - ems->window)
-            plain[j] = 0.0f;
-        else if (ems->use_global) {
-            const float scaled = glo[j] * ratio;
-            plain[j] = scaled > plain[j] ? scaled : plain[j];
-        }
-    }
+        ratio = 0.0;
     const int64_t pad = ems->kernel / 2;
     for (int64_t j = 0; j < length; ++j) {
         double sum = 0.0;
         for (int64_t m = j - pad; m <= j + pad; ++m)
             if (m >= 0 && m < length)
-                sum += plain[m];
-        pooled[j] = (float)sum / (float)ems->kernel;
+                sum += eq2(glo, past, cur, m, length, ratio, ems);
+        pooled[j] = (float)(sum / (double)ems->kernel);
     }
 }
 
+/* Whether two scores lie within SCORE_NEAR of each other, relative. */
 static inline int near(float a, float b) {
     const float scale = fabsf(a) > fabsf(b) ? fabsf(a) : fabsf(b);
-    return fabsf(a - b) <= NEAR * scale;
+    return fabsf(a - b) <= SCORE_NEAR * scale;
 }
 
 /* Entry row_i merged into the centre row_c with weights w_c, w_i (merge.merge_kept with one source): the centre's
@@ -410,9 +420,9 @@ static void merge(void *keys, void *values, float *counts, int kind, int64_t dim
 static int decide(const void *keys, const void *values, int kind, int64_t dim, const int64_t *positions, int64_t base,
                   int64_t length, const float *glo, const float *past, const float *cur, const Ems *ems,
                   const Rotary *rope, float *scratch, int64_t *dropped, int64_t *target, float *weights) {
-    float *plain = scratch, *pooled = scratch + length;
+    float *redundancies = scratch, *pooled = scratch + length; /* scratch: 2 * length floats */
     const int64_t candidates = ems->candidates;
-    scores(glo, past, cur, length, ems, plain, pooled);
+    scores(glo, past, cur, length, ems, pooled);
     int64_t at = 0;
     float lowest = pooled[0], second = INFINITY;
     for (int64_t j = 0; j < candidates; ++j) {
@@ -442,7 +452,6 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
     unit(unit_vi, dim);
     float best = -INFINITY, runner = -INFINITY;
     int64_t best_at = -1;
-    float *redundancies = plain; /* the scores' scratch, free once pooled */
     for (int64_t c = 0; c < candidates; ++c) {
         if (c == at)
             continue;
@@ -539,15 +548,17 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
     if (!decided)
         return 1;
     int merged = 0;
-    for (int64_t s = 0; s < segments; ++s) {
+    for (int64_t s = 0; s < segments; ++s)
         merged |= target[s] >= 0;
+    /* each segment's merge and drop touch its own rows only: the segments on threads (at batch 8 the drops' moves,
+     * ~35 KB per segment, were a third of the pass) */
+#pragma omp parallel for schedule(static) if (segments > 1 && segments * length >= PARALLEL_MOVES)
+    for (int64_t s = 0; s < segments; ++s) {
         if (target[s] >= 0)
             merge(keys, values, counts, kind, dim, positions, &rope, s * capacity + target[s],
                   s * capacity + dropped[s], weights[2 * s + 1], weights[2 * s]);
         const int64_t j = dropped[s], moved = length - 1 - j;
-        if (moved <= 0)
-            continue;
-        for (int b = 0; b < n_buffers; ++b) {
+        for (int b = 0; b < n_buffers && moved > 0; ++b) {
             char *row = buffers[b] + (s * capacity + j) * row_bytes[b];
             memmove(row, row + row_bytes[b], (size_t)(moved * row_bytes[b]));
         }

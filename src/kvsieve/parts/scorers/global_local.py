@@ -51,10 +51,12 @@ LOCAL_ROWS = "ems_local_rows"
 def global_local(s_glo: torch.Tensor, s_loc: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Eq. 2 over the last axis: ``max(s_glo · mean(s_loc)/mean(s_glo), s_loc)`` with means over ``valid`` entries.
 
-    A head whose ``s_glo`` sums to zero (nothing attended yet) uses ``s_loc`` alone.
+    A head whose ``s_glo`` sums to zero (nothing attended yet) uses ``s_loc`` alone. In float64 (the result too): the
+    scores :meth:`GlobalLocal.raw` rounds to float32 once are then the same in any implementation summing in float64
+    (``native/merge.c``), where float32 sums in two orders leave near ties to rounding.
     """
-    g = s_glo.float().masked_fill(~valid, 0.0)
-    loc = s_loc.float().masked_fill(~valid, 0.0)
+    g = s_glo.double().masked_fill(~valid, 0.0)
+    loc = s_loc.double().masked_fill(~valid, 0.0)
     ratio = loc.sum(-1, keepdim=True) / g.sum(-1, keepdim=True)  # the 1/N of both means cancels
     ratio = torch.where(torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
     return torch.maximum(g * ratio, loc)
@@ -103,12 +105,14 @@ class GlobalLocal(Scorer):
         extras = step.view.extras
         valid = step.entry_valid()
         s_loc = extras[LOCAL_PAST].float() + extras[LOCAL_CUR].float()
-        scores = global_local(extras[GLOBAL], s_loc, valid) if self.use_global else s_loc.masked_fill(~valid, 0.0)
+        scores = (global_local(extras[GLOBAL], s_loc, valid) if self.use_global
+                  else s_loc.double().masked_fill(~valid, 0.0))
         lengths = step.lengths()
         offsets = torch.arange(scores.shape[-1], device=scores.device)
         in_window = offsets.view(1, 1, -1) >= (lengths - self.window).unsqueeze(-1)
         scores = scores.masked_fill(in_window | ~valid, 0.0)
-        return pool_scores(scores, self.kernel_size, "avgpool")
+        # pooled in float64 and rounded once: native/merge.c's scores bit for bit (global_local)
+        return pool_scores(scores, self.kernel_size, "avgpool", dtype=torch.float64).float()
 
 
 PRESETS = (
