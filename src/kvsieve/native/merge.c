@@ -30,11 +30,12 @@
  * are kept equal. The general step decides the merge target and the comparison with tau on the redundancy in float64
  * (EvictThenMerge.assign); this pass screens in float32 and, where the best two redundancies or the best one and tau
  * lie within a margin far above float32's rounding (NEAR), takes the float64 redundancy (redundancy64) of the centres
- * within NEAR of the best: two float64 sums agree to ~1e-15, so that decides as the general step does unless they lie
- * within EXACT_NEAR (session 29: such ties were most of what sent a layer to the general step — a layer of nearly
- * collinear keys gives redundancies of 0.99999x within 1e-6 of one another). Where the lowest two scores lie within
- * NEAR (relative), or the float64 redundancies within EXACT_NEAR, the call returns 1 after the observation with
- * nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes
+ * within NEAR of the best: two float64 sums agree to ~1e-15, so that decides as the general step does — the first
+ * centre within EXACT_TIE of the best — unless one lies within EXACT_EDGE of that tie's edge or the best within it of
+ * tau (session 29: such ties were most of what sent a layer to the general step — a layer of nearly collinear keys
+ * gives redundancies of 0.99999x within 1e-6 of one another, and in float32 a token's duplicates tie at 1 - 1e-15).
+ * Where the lowest two scores lie within SCORE_NEAR (relative), or a double redundancy at an edge, the call returns 1
+ * after the observation with nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes
  * of the loops over a head's entries, except the redundancy, which runs on AVX-512 registers where the build has them (the same products, its lanes summed
  * by the register's reduction: within float32 rounding of the portable loops). The segments are planned on torch's
  * OpenMP threads once there are at least two and PARALLEL_WORK candidates in all.
@@ -53,7 +54,9 @@
                           * but where the float64 sums' last bits decide a rounding) */
 #define PARALLEL_WORK 512 /* segments x candidates from which the segments are planned on several threads */
 #define PARALLEL_MOVES 2048 /* segments x entries from which they are merged and dropped on several threads */
-#define EXACT_NEAR 1e-12 /* margin of a redundancy decision in double (two orders of summation: ~1e-15 apart) */
+#define EXACT_TIE 1e-12 /* redundancies this close to the best are one tie, the first taken (EvictThenMerge's
+                          * REDUNDANCY_TIE: duplicates of a token, identical but for rounding, tie at 1 - 1e-15) */
+#define EXACT_EDGE 1e-13 /* margin of a decision on a double redundancy (two orders of summation: ~1e-15 apart) */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
@@ -284,7 +287,7 @@ static void unit64(double *x, int64_t dim) {
 
 /* The exact redundancy of the decisions (EvictThenMerge.assign's): R = cos(raw k_c, raw k_i) * cos(v_c, v_i) in
  * double from the stored elements and the double table, clamped to [-1, 1]. Any two sums of these products agree to
- * ~1e-15, so a decision made on it is the general step's unless two centres lie within EXACT_NEAR. */
+ * ~1e-15, so a decision made on it is the general step's unless a centre lies at the edge of a tie (EXACT_EDGE). */
 static double redundancy64(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
                            const Rotary *rope, const double *unit_key, const double *unit_value) {
     double k[MOST_DIM], v[MOST_DIM];
@@ -470,27 +473,33 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
     int merges_into_best = best > ems->tau;
     if (fabs(best - ems->tau) <= NEAR || (merges_into_best && best - runner <= NEAR)) {
         /* too close for float32: the exact redundancy of the centres within the margin of the best (the exact best
-         * is among them: float32's error is below half the margin), the first of equals as torch's max takes it */
-        double raw64[MOST_DIM], value64[MOST_DIM], best64 = -INFINITY, runner64 = -INFINITY;
+         * is among them: float32's error is below half the margin); the target is the first of them within
+         * EXACT_TIE of the exact best, as EvictThenMerge.assign takes it */
+        double raw64[MOST_DIM], value64[MOST_DIM], best64 = -INFINITY;
         unrotate64(keys, kind, base + at, dim, positions[at], rope, raw64);
         unit64(raw64, dim);
         for (int64_t e = 0; e < dim; ++e)
             value64[e] = load(values, kind, (base + at) * dim + e);
         unit64(value64, dim);
-        for (int64_t c = 0; c < candidates; ++c) {
-            if (c == at || redundancies[c] < best - NEAR)
-                continue;
-            const double r = redundancy64(keys, values, kind, base + c, dim, positions[c], rope, raw64, value64);
-            if (r > best64) {
-                runner64 = best64;
-                best64 = r;
-                best_at = c;
-            } else if (r > runner64)
-                runner64 = r;
-        }
-        merges_into_best = best64 > (double)ems->tau;
-        if (isnan(best64) || fabs(best64 - (double)ems->tau) <= EXACT_NEAR
-                || (merges_into_best && best64 - runner64 <= EXACT_NEAR))
+        for (int64_t c = 0; c < candidates; ++c)
+            if (c != at && redundancies[c] >= best - NEAR) {
+                const double r = redundancy64(keys, values, kind, base + c, dim, positions[c], rope, raw64, value64);
+                if (isnan(r))
+                    return 0;
+                best64 = r > best64 ? r : best64;
+            }
+        const double tied = best64 - EXACT_TIE;
+        best_at = -1;
+        for (int64_t c = 0; c < candidates; ++c) /* again (rare): the first within the tie, none at its edge */
+            if (c != at && redundancies[c] >= best - NEAR) {
+                const double r = redundancy64(keys, values, kind, base + c, dim, positions[c], rope, raw64, value64);
+                if (fabs(r - tied) <= EXACT_EDGE)
+                    return 0;
+                if (r >= tied && best_at < 0)
+                    best_at = c;
+            }
+        merges_into_best = best64 > ems->tau;
+        if (fabs(best64 - ems->tau) <= EXACT_EDGE)
             return 0;
     }
     if (merges_into_best) {

@@ -20,7 +20,8 @@ is exactly pure eviction by the same score, as Table 6 reads it); otherwise it j
 the target and the comparison with ``τ`` are then the same in any implementation that sums in float64 (two orders of
 summation agree to ~1e-15), where float32 ones differ by ~1e-6 and would pick either of two centres that nearly tie —
 which happens: a layer whose keys and values are nearly collinear gives redundancies of 0.99999x within 1e-6 of each
-other. ``native/merge.c`` screens in float32 and takes the float64 redundancy where the float32 one is too close.
+other. Centres within :data:`REDUNDANCY_TIE` (1e-12) of the best are one tie, broken by entry order (the first).
+``native/merge.c`` screens in float32 and takes the float64 redundancy where the float32 one is too close.
 
 Merge (executed by :func:`kvsieve.parts.actions.merge.merge_kept`): weights are the scorer's scores
 (``w_i`` of a TBM entry, ``w_c`` of the centre itself; floored at ``1e-12`` so a zero score cannot zero
@@ -55,6 +56,10 @@ from kvsieve.parts.actions.merge import Merge, RawKeyPlan
 
 #: Smallest merge weight (a zero score must not cancel a merge's normalisation).
 MIN_WEIGHT = 1e-12
+#: Redundancies within this of a TBM entry's best are one tie and the first of those centres (in entry order) is its
+#: target: duplicates of a token hold the same raw key and value but for rounding (in float32 they tie at 1 − 1e-15),
+#: so which one ``max`` picks would be rounding's, and two implementations' choices would differ.
+REDUNDANCY_TIE = 1e-12
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +138,9 @@ class EvictThenMerge(Merge):
         redundancy = torch.matmul(raw_unit_keys(tbm), raw_unit_keys(keep_idx).transpose(1, 2))
         redundancy = redundancy * torch.matmul(unit_values(tbm), unit_values(keep_idx).transpose(1, 2))
         redundancy = redundancy.clamp(-1.0, 1.0).masked_fill(~is_centre[:, None, :], -math.inf)
-        best, target = redundancy.max(dim=-1)
+        best = redundancy.max(dim=-1).values
+        # the first centre within REDUNDANCY_TIE of the best: a token's duplicates, identical but for rounding, tie
+        target = (redundancy >= (best - REDUNDANCY_TIE).unsqueeze(-1)).int().argmax(dim=-1)
         merged = is_tbm & (best > self.tau)
         plan.merge_source = torch.where(merged, tbm, torch.full_like(tbm, -1))
         plan.merge_target = target
