@@ -350,9 +350,9 @@ static inline double eq2(const float *glo, const float *past, const float *cur, 
 
 /* Eq. 2, the window zeroed and the mean pool in double, rounded to float32 once (GlobalLocal.raw computes the same in
  * float64: two sums of these agree to ~1e-16, so the float32 scores are torch's bit for bit but where one lies within
- * that of a float32 rounding boundary): pooled[0 .. length - 1]. */
+ * that of a float32 rounding boundary): pooled[0 .. length - 1]; plain[] is scratch of the same length. */
 static void scores(const float *glo, const float *past, const float *cur, int64_t length, const Ems *ems,
-                   float *pooled) {
+                   double *plain, float *pooled) {
     double sum_loc = 0.0, sum_glo = 0.0;
     for (int64_t j = 0; j < length; ++j) {
         sum_loc += (double)(past[j] + cur[j]);
@@ -361,12 +361,14 @@ static void scores(const float *glo, const float *past, const float *cur, int64_
     double ratio = sum_loc / sum_glo;
     if (!isfinite(ratio))
         ratio = 0.0;
+    for (int64_t j = 0; j < length; ++j)
+        plain[j] = eq2(glo, past, cur, j, length, ratio, ems);
     const int64_t pad = ems->kernel / 2;
     for (int64_t j = 0; j < length; ++j) {
         double sum = 0.0;
         for (int64_t m = j - pad; m <= j + pad; ++m)
             if (m >= 0 && m < length)
-                sum += eq2(glo, past, cur, m, length, ratio, ems);
+                sum += plain[m];
         pooled[j] = (float)(sum / (double)ems->kernel);
     }
 }
@@ -419,13 +421,15 @@ static void merge(void *keys, void *values, float *counts, int kind, int64_t dim
 
 /* One segment's plan from its side data (after the observation): the entry it gives up (*dropped) and the centre
  * it merges into (*target, -1: evicted) with the merge's weights (w_i, w_c); 0 where a decision lies within the
- * margin or meets a NaN. positions: the segment's; base: its first row; scratch: 2 * length floats. */
+ * margin or meets a NaN. positions: the segment's; base: its first row; scratch: 4 * length floats. */
 static int decide(const void *keys, const void *values, int kind, int64_t dim, const int64_t *positions, int64_t base,
                   int64_t length, const float *glo, const float *past, const float *cur, const Ems *ems,
                   const Rotary *rope, float *scratch, int64_t *dropped, int64_t *target, float *weights) {
-    float *redundancies = scratch, *pooled = scratch + length; /* scratch: 2 * length floats */
+    /* scratch: 4 * length floats (the redundancies, the scores, then Eq. 2 in double) */
+    float *redundancies = scratch, *pooled = scratch + length;
+    double *plain = (double *)(scratch + 2 * length);
     const int64_t candidates = ems->candidates;
-    scores(glo, past, cur, length, ems, pooled);
+    scores(glo, past, cur, length, ems, plain, pooled);
     int64_t at = 0;
     float lowest = pooled[0], second = INFINITY;
     for (int64_t j = 0; j < candidates; ++j) {
@@ -515,8 +519,8 @@ static int decide(const void *keys, const void *values, int kind, int64_t dim, c
  * cos, sin: (table_rows, half) float32, the rotary table's of each position (half 0: no rotary dims); cos64, sin64
  * the same in double, of the same float32 angles (the exact redundancy's, for decisions too close for float32); scaling its
  * attention factor (rotate multiplies by it), unrotate_factor 1 / scaling (unrotate multiplies by that).
- * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 2 * length floats per
- * segment (the segments are planned in parallel on torch's OpenMP threads).
+ * buffers[b]: row r at buffers[b] + r * row_bytes[b] (every buffer the drop moves). scratch: 4 * length floats per
+ * segment, 8-byte aligned (the segments are planned in parallel on torch's OpenMP threads).
  * dropped, target: (batch * kv_heads) int64, written (target -1: evicted); weights: 2 * batch * kv_heads floats
  * (each merge's w_i, w_c), written. Returns 0 (done, nothing merged), 2 (done, some segment merged), 1 (a
  * decision within the margin, or NaN: observed, nothing else changed), -1 (bad sizes: nothing changed). */
@@ -549,7 +553,7 @@ int kvsieve_merge_lowest(int64_t batch, int64_t kv_heads, int64_t groups, int64_
         observe(rows + s * groups * length, groups, length, glo + base, past + base, cur + base, held_rows + base,
                 window);
         if (!decide(keys, values, kind, dim, positions + base, base, length, glo + base, past + base, cur + base,
-                    &ems, &rope, scratch + s * 2 * length, dropped + s, target + s, weights + 2 * s)) {
+                    &ems, &rope, scratch + s * 4 * length, dropped + s, target + s, weights + 2 * s)) {
 #pragma omp atomic write
             decided = 0;
         }

@@ -138,7 +138,7 @@ def prepare(segments: int, sides: Sequence[torch.Tensor], counts: torch.Tensor, 
     return MergeBuffers((*sides, counts, keys, values, positions, *buffers), segments, capacity, kind, keys.shape[1],
                         pointers, row_bytes, torch.empty(segments, dtype=torch.long),
                         torch.empty(segments, dtype=torch.long), torch.empty(2 * segments, dtype=torch.float32),
-                        torch.empty(segments * 2 * capacity, dtype=torch.float32))
+                        torch.empty(segments * 4 * capacity, dtype=torch.float32))
 
 
 def merge_lowest(rows: torch.Tensor, kv_heads: int, prepared: MergeBuffers, candidates: int, ems: GlobalLocalStep,
