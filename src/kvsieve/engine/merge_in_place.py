@@ -8,10 +8,10 @@ most redundant class centre or evicted (:class:`~kvsieve.parts.actions.evict_mer
 step spends ~300 small PyTorch operations per layer on it; :meth:`MergeInPlace.drop` hands it to
 :meth:`~kvsieve.cache.store_compaction.StoreCompaction.merge_lowest` (``native/merge.c``) when the policy is exactly
 those two parts (a subclass may score or merge otherwise) under a uniform per-layer budget. The side data it updates
-are the general step's bit for bit; the scores and merged rows are within float32 rounding (its sums run in double,
-torch's in float32 in another order), and its decisions are the general step's: both decide the merge target on the
-float64 redundancy (the pass where float32 is too close to tell), and a tie even there, or between the lowest two
-scores, goes to the general step (``merge.c``).
+are the general step's bit for bit, so are the scores (float64 on both sides, rounded once); the merged rows are
+within float32 rounding (the pass's sums run in another order than torch's), and its decisions are the general
+step's: both decide the merge target on the float64 redundancy (the pass where float32 is too close to tell), and a
+tie even there, or between the lowest two scores, goes to the general step (``merge.c``).
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@
  *                merge whose weight is below the float resolution (w_c + w_i == w_c) keeps the centre's bits;
  *   drop         every buffer's rows after i move down by one (evict.c's drop).
  *
- * The score's two sums, the pooling, the norms and the dot products are summed here in double, not in torch's float32
- * order, so the scores and the merged rows are the general step's within float32 rounding, not bit for bit. The decisions
- * are kept equal. The general step decides the merge target and the comparison with tau on the redundancy in float64
+ * The scores are Eq. 2 and the pooling in double rounded to float32 once, as GlobalLocal.raw computes them: the general
+ * step's bit for bit but where a double sum's last bits decide a rounding. The merge's norms and sums run in double or
+ * float32 in another order than torch's, so the merged rows are the general step's within float32 rounding, not bit
+ * for bit. The decisions are kept equal. The general step decides the merge target and the comparison with tau on the redundancy in float64
  * (EvictThenMerge.assign); this pass screens in float32 and, where the best two redundancies or the best one and tau
  * lie within a margin far above float32's rounding (NEAR), takes the float64 redundancy (redundancy64) of the centres
  * within NEAR of the best: two float64 sums agree to ~1e-15, so that decides as the general step does — the first

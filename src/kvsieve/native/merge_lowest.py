@@ -5,7 +5,8 @@ Global-Local score's side data, scores, picks each head's to-be-merged entry, fi
 raw keys, merges or evicts it and drops it: in PyTorch some three hundred small operations per layer and step (2.6× a
 ``snapkv`` step). This pass does it in one ``ctypes`` call, in place, for
 :meth:`~kvsieve.cache.store_compaction.StoreCompaction.merge_lowest`. Its side data updates are the general step's
-bit for bit; its scores and merged rows are within float32 rounding of them (``merge.c`` says why), and its decisions
+bit for bit, its scores too (both sides compute them in float64 and round once), its merged rows within float32
+rounding (``merge.c`` says why), and its decisions
 are the general step's: a redundancy decision too close for float32 is taken on the float64 redundancy, as the general
 step takes it (:class:`~kvsieve.parts.actions.evict_merge.EvictThenMerge`); where the scores' lowest two, or the
 float64 redundancies, lie within a margin far above their rounding it returns False after observing, and the general
