@@ -17,7 +17,7 @@ import kvsieve
 from kvsieve.native import restkv_scores
 from kvsieve.native.restkv_scores import window_scores
 from kvsieve.ops.reconstruction import EPS, restkv_indicator
-from kvsieve.ops.smoothing import ema_weights, top_index_mean
+from kvsieve.ops.smoothing import drift_window_mean, ema_weights, top_index_mean
 from kvsieve.parts.scorers import restkv as restkv_scorer
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -68,6 +68,13 @@ def test_scores_and_drift_match_the_pytorch_path(batch, kv_heads, groups, w, len
     expected, expected_per_query = _reference(rows, outputs, values, gram, weights, budgets, prefix)
     torch.testing.assert_close(smoothed, expected, rtol=2e-5, atol=1e-7)
     torch.testing.assert_close(per_query, expected_per_query, rtol=0, atol=0)
+    # the adaptive window applied by the pass: drift_window_mean's on the pass's own scores, bit for bit
+    beta = data.draw(st.sampled_from([0.5, 3.0, 40.0, 2000.0]))
+    base, rule = data.draw(st.sampled_from([1, 3, 5])), data.draw(st.sampled_from(["max", "sum"]))
+    windowed, windowed_per_query = window_scores(rows, outputs, values, gram, weights, budgets, prefix, EPS,
+                                                 (beta, base, rule))
+    assert windowed_per_query.equal(per_query)
+    assert windowed.equal(drift_window_mean(smoothed, per_query if w >= 2 else None, beta, None, base, rule))
 
 
 def test_ties_at_the_kth_value_take_the_lowest_indices():
@@ -79,6 +86,25 @@ def test_ties_at_the_kth_value_take_the_lowest_indices():
     weights = torch.tensor([0.5, 0.5])
     _, per_query = window_scores(rows, outputs, values, None, weights, torch.tensor([[3]]), 10, EPS)
     assert per_query.equal(torch.full((1, 1, 2), (7 + 0 + 1) / 3))
+
+
+def test_the_adaptive_window_is_drift_window_means_where_the_halves_drift_apart():
+    """Early window queries attend to the start, late ones to the end: the halves' mean indices differ by far more
+    than beta, so the pass's window is wide and shifted — as drift_window_mean's, bit for bit."""
+    w, length = 8, 200
+    logits = torch.zeros(1, 1, w, length)
+    logits[0, 0, : w // 2, :20] = 6.0
+    logits[0, 0, w // 2:, 150:170] = 6.0
+    rows = logits.softmax(-1).contiguous()
+    values = torch.randn(1, 1, length, 16, generator=torch.Generator().manual_seed(1))
+    outputs = torch.matmul(rows, values).contiguous()
+    weights, budgets = torch.full((w,), 1.0 / w), torch.tensor([[10]])
+    smoothed, per_query = window_scores(rows, outputs, values, None, weights, budgets, length - w, EPS)
+    for rule in ("max", "sum"):
+        windowed, _ = window_scores(rows, outputs, values, None, weights, budgets, length - w, EPS, (20.0, 5, rule))
+        expected = drift_window_mean(smoothed, per_query, 20.0, None, 5, rule)
+        assert windowed.equal(expected)
+        assert not windowed.equal(drift_window_mean(smoothed, None, 20.0, None, 5, rule))  # not the centred window
 
 
 def test_what_it_does_not_take_is_declined():
@@ -93,6 +119,9 @@ def test_what_it_does_not_take_is_declined():
     assert window_scores(rows, outputs, values, gram, weights[:3], budgets, 20, EPS) is None
     assert window_scores(rows.transpose(2, 3).contiguous().transpose(2, 3), outputs, values, gram, weights, budgets,
                          20, EPS) is None  # not contiguous
+    assert window_scores(rows, outputs, values, gram, weights, None, 20, EPS, (2000.0, 5, "max")) is None  # no budgets
+    for drift in ((0.0, 5, "max"), (2000.0, 0, "max"), (2000.0, 5, "median")):
+        assert window_scores(rows, outputs, values, gram, weights, budgets, 20, EPS, drift) is None
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

@@ -529,3 +529,30 @@ def test_left_padded_batch_equals_single_prompts(arch, case):
         assert torch.equal(seq[0, len(p) :], batch_seq[row, ids.shape[1] :])
         for layer, _, head, positions in all_kept_positions(alone):
             assert torch.equal(positions + pad, batch.kept_positions(layer, row, head)), (row, layer, head)
+
+
+def test_the_output_gram_is_computed_once_per_weight_and_again_when_it_changes():
+    """The W_O Gram matrices are cached per attention module: the same tensor while the weight stays, recomputed after
+    an in-place update (version counter) and for a new weight tensor — never a stale Gram."""
+    from kvsieve.parts.scorers.restkv import cached_output_gram
+
+    module = torch.nn.Linear(12, 12, bias=False)
+    first = cached_output_gram(module, module.weight.detach(), 3)
+    assert first.equal(output_gram(module.weight.detach(), 3))
+    assert cached_output_gram(module, module.weight.detach(), 3) is first
+    with torch.no_grad():
+        module.weight.mul_(2.0)  # in place: same storage, new version
+    updated = cached_output_gram(module, module.weight.detach(), 3)
+    assert updated.equal(output_gram(module.weight.detach(), 3)) and not updated.equal(first)
+    replacement = torch.nn.Parameter(torch.randn(12, 12))  # a new tensor, at the same version as the former
+    with torch.no_grad():
+        while replacement._version < module.weight._version:
+            replacement.add_(0.0)
+    assert replacement._version == module.weight._version
+    module.weight = replacement
+    replaced = cached_output_gram(module, module.weight.detach(), 3)
+    assert replaced.equal(output_gram(module.weight.detach(), 3)) and not replaced.equal(updated)
+    assert cached_output_gram(module, module.weight.detach(), 4).shape == (4, 3, 3)  # another head count
+    with torch.inference_mode():
+        inference_weight = torch.randn(12, 12)
+    assert cached_output_gram(module, inference_weight, 3).equal(output_gram(inference_weight, 3))

@@ -12,7 +12,11 @@
  *   smoothed[j]  = sum_t weight[t] * I[t, j]         Eq. 9's EMA unrolled (or the plain mean), 0 from the window on
  *   per_query[t] = the mean index of I[t]'s k largest entries before the window (Eq. 10's inner sum)
  *
- * which kvsieve.ops.smoothing.adaptive_spatial_smoothing turns into the adaptive window. The PyTorch path computes the
+ * and, when asked (`smooth`), the adaptive window itself from per_query (Eq. 10-13, as
+ * kvsieve.ops.smoothing.drift_window_mean: the halves' mean indices in double, where sums of float32 indices are exact
+ * in any order, so the widths and shifts are the PyTorch path's; then each row's window mean from a float64 prefix sum
+ * in the order torch.cumsum takes, so the smoothed scores are too, bit for bit, given the same unsmoothed ones).
+ * Without `smooth` kvsieve.ops.smoothing.drift_window_mean turns per_query into the adaptive window. The PyTorch path computes the
  * same expansion in float32 with other summation orders, so the scores agree within float32 rounding (relative ~1e-6,
  * more where o_t ~ v_j, where the expansion cancels in both); where several entries tie at the k-th largest value the
  * lowest indices are taken (torch.topk takes any of them).
@@ -224,32 +228,80 @@ static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t 
             sum += j, ++above;
     return (float)sum / (float)k;
 }
+
+/* Eq. 10-12: each row's window width and shift from its window queries' mean top-k indices per_query (rows x w), as
+ * kvsieve.ops.smoothing.drift_window_mean and adaptive_window with every query real: D_front and D_rear the halves'
+ * means in double (rule 0: W = max(base, 2 floor(|dD| / beta) + 1); rule 1: W = base + 2 floor(|dD| / beta);
+ * shift = trunc(dD / beta)); a window of fewer than two queries has no dD: width base, shift 0. Returns whether every
+ * row keeps its scores as they are (width 1, shift 0: shifted_window_mean's early return), or -1 where a drift is too
+ * large for an int64 (the caller then declines). */
+static int plan_windows(const float *per_query, int64_t rows, int64_t w, double beta, int64_t base, int rule,
+                        int64_t *widths, int64_t *shifts) {
+    const int64_t half = w / 2;
+    int unchanged = 1;
+    for (int64_t row = 0; row < rows; ++row) {
+        widths[row] = base, shifts[row] = 0;
+        if (half > 0) {
+            double front = 0.0, rear = 0.0;
+            for (int64_t t = 0; t < half; ++t)
+                front += per_query[row * w + t];
+            for (int64_t t = half; t < w; ++t)
+                rear += per_query[row * w + t];
+            const double delta = front / (double)half - rear / (double)(w - half);
+            if (!(fabs(delta) / beta < 1e15))
+                return -1;
+            const int64_t drift = 2 * (int64_t)floor(fabs(delta) / beta);
+            widths[row] = rule == 0 ? (drift + 1 > base ? drift + 1 : base) : base + drift;
+            shifts[row] = (int64_t)trunc(delta / beta);
+        }
+        unchanged &= widths[row] == 1 && shifts[row] == 0;
+    }
+    return unchanged;
+}
+
+/* Eq. 13 on one row of scores, in place: the mean over [j - W/2 + shift, j + W/2 + shift] (terms outside the row count
+ * as 0, the divisor always W) from a float64 prefix sum taken in order (sums has room for length + 1). */
+static void window_mean(float *scores, int64_t length, int64_t width, int64_t shift, double *sums) {
+    sums[0] = 0.0;
+    for (int64_t j = 0; j < length; ++j)
+        sums[j + 1] = sums[j] + (double)scores[j];
+    const int64_t half = width / 2;
+    for (int64_t j = 0; j < length; ++j) {
+        int64_t lo = j - half + shift, hi = j + half + shift + 1;
+        lo = lo < 0 ? 0 : lo > length ? length : lo;
+        hi = hi < 0 ? 0 : hi > length ? length : hi;
+        scores[j] = (float)((sums[hi] - sums[lo]) / (double)width);
+    }
+}
 #endif
 
 /* rows: float32 (batch, q_heads, w, length) and outputs (o_t) float32 (batch, q_heads, w, dim), contiguous; values:
  * float32 (kind 0) or bfloat16 (kind 1) (batch, kv_heads, length, dim) with strides in elements (unit over dim);
  * gram: float32 (q_heads, dim, dim), contiguous, or NULL (the identity); weights: float32 (w); budgets: int64
  * (batch, q_heads), or NULL (per_query not written). Writes smoothed float32 (batch, q_heads, length) (0 from
- * prefix on) and per_query float32 (batch, q_heads, w). Returns 0, or -1 (no vector code, sizes it does not take, no
- * memory: nothing to use). */
+ * prefix on) and per_query float32 (batch, q_heads, w). With budgets and smooth != 0, smoothed is then the adaptive
+ * window's mean (plan_windows with beta > 0, base >= 1 and rule 0 or 1, then window_mean). Returns 0, or -1 (no vector
+ * code, sizes it does not take, no memory: nothing to use). */
 int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups, int64_t w, int64_t length,
                                  int64_t dim, int64_t prefix, const float *rows, const float *outputs,
                                  const void *values, int kind, int64_t v_batch, int64_t v_head, int64_t v_row,
                                  const float *gram, const float *weights, const int64_t *budgets, float eps,
-                                 float *smoothed, float *per_query) {
+                                 int smooth, double beta, int64_t base, int rule, float *smoothed, float *per_query) {
 #if KVSIEVE_AVX512
     if (batch < 1 || kv_heads < 1 || groups < 1 || w < 1 || w > MOST_WINDOW || dim < 1 || dim > MOST_DIM
-            || prefix < 0 || prefix > length || (kind != 0 && kind != 1))
+            || prefix < 0 || prefix > length || (kind != 0 && kind != 1)
+            || (smooth && (!budgets || !(beta > 0.0) || base < 1 || (rule != 0 && rule != 1))))
         return -1;
     const int64_t q_heads = kv_heads * groups, heads = batch * q_heads;
     const int64_t chunks = (prefix + CHUNK - 1) / CHUNK;
     float *projected = malloc((size_t)(heads * w * dim) * 4), *outputs_sq = malloc((size_t)(heads * w) * 4);
     float *indicator = malloc((size_t)(heads * w * (prefix > 0 ? prefix : 1)) * 4);
-    if (!projected || !outputs_sq || !indicator) {
-        free(projected), free(outputs_sq), free(indicator);
+    int64_t *widths = smooth ? malloc((size_t)heads * 16) : NULL, *shifts = widths ? widths + heads : NULL;
+    if (!projected || !outputs_sq || !indicator || (smooth && !widths)) {
+        free(projected), free(outputs_sq), free(indicator), free(widths);
         return -1;
     }
-    int failed = 0;
+    int failed = 0, unchanged = 0;
 #pragma omp parallel if (heads * prefix >= 4096)
     {
 #pragma omp for schedule(static)
@@ -311,13 +363,31 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         }
         free(keys);
     }
+    if (smooth) { /* the adaptive window, once every query's mean index is known (the loop above ends in a barrier) */
+#pragma omp single
+        {
+            unchanged = failed ? 1 : plan_windows(per_query, heads, w, beta, base, rule, widths, shifts);
+            if (unchanged < 0)
+                failed = 1;
+        }
+        double *sums = unchanged ? NULL : malloc((size_t)(length + 1) * 8);
+        if (!unchanged && !sums) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t row = 0; row < heads; ++row)
+            if (sums)
+                window_mean(smoothed + row * length, length, widths[row], shifts[row], sums);
+        free(sums);
     }
-    free(projected), free(outputs_sq), free(indicator);
+    }
+    free(projected), free(outputs_sq), free(indicator), free(widths);
     return failed ? -1 : 0;
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)w, (void)length, (void)dim, (void)prefix, (void)rows;
     (void)outputs, (void)values, (void)kind, (void)v_batch, (void)v_head, (void)v_row, (void)gram, (void)weights;
-    (void)budgets, (void)eps, (void)smoothed, (void)per_query;
+    (void)budgets, (void)eps, (void)smooth, (void)beta, (void)base, (void)rule, (void)smoothed, (void)per_query;
     return -1;
 #endif
 }

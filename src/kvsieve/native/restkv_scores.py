@@ -1,9 +1,11 @@
 """ReST-KV's window scores at a prompt's compaction in one C pass (``reconstruction.c``:
 ``kvsieve_restkv_window_scores``): the indicator of Eq. 7 for every window query and entry before the window, its
-temporal smoothing (Eq. 9's EMA weights, or the mean) and each window query's mean top-``k`` index (Eq. 10's inner
-sum), without the ``(batch, q_heads, w, L)`` float32 intermediates of the PyTorch path
-(:func:`kvsieve.ops.reconstruction.restkv_indicator`, :func:`kvsieve.ops.smoothing.top_index_mean`): ~14 of ReST-KV's
-~16 ms per 4k layer over SnapKV's were those tensors' passes and the top-k.
+temporal smoothing (Eq. 9's EMA weights, or the mean), each window query's mean top-``k`` index (Eq. 10's inner sum)
+and, when asked, the adaptive window of Eq. 10–13 itself (:func:`kvsieve.ops.smoothing.drift_window_mean`'s widths,
+shifts and float64 window means, bit for bit given the same unsmoothed scores), without the ``(batch, q_heads, w, L)``
+float32 intermediates of the PyTorch path (:func:`kvsieve.ops.reconstruction.restkv_indicator`,
+:func:`kvsieve.ops.smoothing.top_index_mean`): ~14 of ReST-KV's ~16 ms per 4k layer over SnapKV's were those tensors'
+passes and the top-k; the adaptive window's small operations another ~1.2 ms.
 
 Within float32 rounding of the PyTorch path (the same expansion ``o G oᵀ − 2 o G vᵀ + v G vᵀ``, summed in another
 order); where entries tie at the ``k``-th largest indicator the lowest indices count (``torch.topk`` takes any).
@@ -16,10 +18,13 @@ from __future__ import annotations
 import torch
 
 from kvsieve.native import build
-from kvsieve.native.build import F32, I32, I64, PTR
+from kvsieve.native.build import F32, F64, I32, I64, PTR
 
 #: The argument types of ``kvsieve_restkv_window_scores`` (``reconstruction.c``).
-ARGUMENTS = (I64, I64, I64, I64, I64, I64, I64, PTR, PTR, PTR, I32, I64, I64, I64, PTR, PTR, PTR, F32, PTR, PTR)
+ARGUMENTS = (I64, I64, I64, I64, I64, I64, I64, PTR, PTR, PTR, I32, I64, I64, I64, PTR, PTR, PTR, F32,
+             I32, F64, I64, I32, PTR, PTR)
+#: The adaptive window's width rules, by their code in the pass.
+RULES = {"max": 0, "sum": 1}
 #: The value dtypes the pass reads, by its code for them.
 KINDS = {torch.float32: 0, torch.bfloat16: 1}
 #: The longest window and the largest head size the pass takes.
@@ -33,11 +38,13 @@ def vector_code() -> bool:
 
 
 def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor, gram: torch.Tensor | None,
-                  weights: torch.Tensor, budgets: torch.Tensor | None, prefix: int, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                  weights: torch.Tensor, budgets: torch.Tensor | None, prefix: int, eps: float,
+                  drift: tuple[float, int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(smoothed, per_query)``: ``smoothed`` ``(batch, q_heads, L)`` float32, ``Σ_t weights[t]·I[t, j]`` for the
     entries ``j < prefix`` and 0 from the window on; ``per_query`` ``(batch, q_heads, w)`` float32, the mean index of
     each window query's ``budgets`` largest ``I[t, j < prefix]`` (all of them where fewer; None without ``budgets``).
+    With ``drift = (beta, base, rule)`` (and ``budgets``), ``smoothed`` is then
+    ``drift_window_mean(smoothed, per_query if w >= 2 else None, beta, None, base, rule)`` (Eq. 10–13).
 
     ``rows`` ``(batch, q_heads, w, L)`` and ``outputs`` ``(batch, q_heads, w, d)`` float32 contiguous (the window's
     softmax rows and outputs), ``values`` ``(batch, kv_heads, L, d)`` float32 or bfloat16 (unit stride over ``d``),
@@ -48,12 +55,14 @@ def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tenso
     groups = q_heads // kv_heads if kv_heads else 0
     kind = KINDS.get(values.dtype)
     tensors = (rows, outputs, values, weights, *(t for t in (gram, budgets) if t is not None))
+    beta, base, rule = drift if drift is not None else (1.0, 1, "max")
     if (any(t.device.type != "cpu" for t in tensors) or kind is None or rows.dtype != torch.float32
             or outputs.dtype != torch.float32 or weights.dtype != torch.float32 or not rows.is_contiguous()
             or not outputs.is_contiguous() or not weights.is_contiguous() or values.stride(3) != 1
             or groups < 1 or groups * kv_heads != q_heads or values.shape != (batch, kv_heads, length, dim)
             or outputs.shape != (batch, q_heads, w, dim) or weights.shape != (w,) or not 1 <= w <= MOST_WINDOW
             or not 1 <= dim <= MOST_DIM or not 0 <= prefix <= length
+            or (drift is not None and (budgets is None or not beta > 0 or base < 1 or rule not in RULES))
             or (gram is not None and (gram.dtype != torch.float32 or not gram.is_contiguous()
                                       or gram.shape != (q_heads, dim, dim)))
             or (budgets is not None and (budgets.dtype != torch.long or not budgets.is_contiguous()
@@ -67,6 +76,7 @@ def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tenso
     status = kernel(batch, kv_heads, groups, w, length, dim, prefix, rows.data_ptr(), outputs.data_ptr(),
                     values.data_ptr(), kind, values.stride(0), values.stride(1), values.stride(2),
                     None if gram is None else gram.data_ptr(), weights.data_ptr(),
-                    None if budgets is None else budgets.data_ptr(), eps, smoothed.data_ptr(),
+                    None if budgets is None else budgets.data_ptr(), eps, int(drift is not None), float(beta),
+                    int(base), RULES[rule], smoothed.data_ptr(),
                     None if per_query is None else per_query.data_ptr())
     return (smoothed, per_query) if status == 0 else None

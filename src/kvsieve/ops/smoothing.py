@@ -170,13 +170,16 @@ def drift_window_mean(
         return shifted_window_mean(smoothed, plain, torch.zeros_like(plain))
     w = per_query.shape[2]
     half = w // 2
-    weight = torch.ones(per_query.shape[0], w, dtype=per_query.dtype, device=per_query.device)
+    # in float64: sums of float32 indices are then exact in any order, so the native pass (reconstruction.c's
+    # plan_windows) gets the same widths and shifts
+    index = per_query.double()
+    weight = torch.ones(per_query.shape[0], w, dtype=torch.float64, device=per_query.device)
     if query_valid is not None:
-        weight = query_valid.to(per_query.dtype)
+        weight = query_valid.to(torch.float64)
     weight = weight.unsqueeze(1)
     front_w, rear_w = weight[..., :half], weight[..., half:]
-    d_front = (per_query[..., :half] * front_w).sum(-1) / front_w.sum(-1).clamp(min=1.0)
-    d_rear = (per_query[..., half:] * rear_w).sum(-1) / rear_w.sum(-1).clamp(min=1.0)
+    d_front = (index[..., :half] * front_w).sum(-1) / front_w.sum(-1).clamp(min=1.0)
+    d_rear = (index[..., half:] * rear_w).sum(-1) / rear_w.sum(-1).clamp(min=1.0)
     width, shift = adaptive_window(d_front, d_rear, beta, base, rule)
     defined = (front_w.sum(-1) > 0) & (rear_w.sum(-1) > 0)
     width = torch.where(defined, width, torch.full_like(width, base))

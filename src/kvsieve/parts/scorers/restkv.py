@@ -37,13 +37,15 @@ entries left out, no renormalisation) and ``s_j = a_j / (1 - a_j) · ‖(o - v_j
 Only entries before the window (Eq. 8's ``n < t - S_w``) compete: window entries get 0 before smoothing
 (as in SnapKV's reference code). Extra cost over SnapKV: ``o_t`` from the window rows already computed,
 the per-head ``d×d`` Gram of ``W_O^h`` and one ``(w×d)·(d×L)`` product per head —
-``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``. On the CPU a prompt without padding takes steps 1–3's indicator,
-temporal smoothing and each window query's top-``B`` mean index from one C pass over the values
+``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``; the Gram matrices are computed once per layer and weight
+(:func:`cached_output_gram`). On the CPU a prompt without padding takes steps 1–3 — the indicator, temporal smoothing,
+each window query's top-``B`` mean index and the adaptive window — from one C pass over the values
 (:mod:`kvsieve.native.restkv_scores`, within float32 rounding of the PyTorch path, which stays the reference).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,7 +67,6 @@ from kvsieve.ops.pooling import pool_scores
 from kvsieve.ops.reconstruction import EPS, output_gram, restkv_indicator, vatp_indicator
 from kvsieve.ops.smoothing import (
     adaptive_spatial_smoothing,
-    drift_window_mean,
     ema_over_window,
     ema_weights,
     mean_over_window,
@@ -75,6 +76,32 @@ from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.scorers.base import Scorer
 
 INDICATORS = ("restkv", "vatp", "attention")
+
+#: Each attention module's ``W_O`` Gram matrices, with the weight they were computed from: ``module → (weight,
+#: version, q_heads, gram)``. Dropped with the module (weak keys).
+_GRAMS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.Tensor, int, int, torch.Tensor]] = (
+    weakref.WeakKeyDictionary())
+
+
+def cached_output_gram(module: torch.nn.Module, weight: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """:func:`~kvsieve.ops.reconstruction.output_gram` of ``weight`` (the module's ``W_O``, detached), computed once
+    per module and weight: again when the weight is another tensor (a new data pointer: the entry holds the former
+    weight's storage, so its address cannot be reused meanwhile), another shape or dtype, or was changed in place (its
+    version counter, which a detached weight shares with the parameter). Weights without a version counter (made
+    under ``torch.inference_mode``) and modules that take no weak reference are not cached. The Grams are
+    ``q_heads·d²`` float32 per layer (2 MiB for a 32-head, ``d = 128`` layer), held while the model lives."""
+    try:
+        version = weight._version
+        held = _GRAMS.get(module)
+    except (RuntimeError, TypeError):  # an inference tensor; a module that takes no weak reference
+        return output_gram(weight, q_heads)
+    if (held is not None and held[0].data_ptr() == weight.data_ptr() and held[0].shape == weight.shape
+            and held[0].dtype == weight.dtype and held[0].device == weight.device and held[1] == version
+            and held[2] == q_heads):
+        return held[3]
+    gram = output_gram(weight, q_heads)
+    _GRAMS[module] = (weight, version, q_heads, gram)
+    return gram
 
 
 @dataclass(frozen=True)
@@ -110,7 +137,7 @@ class OutputReconstruction(Scorer):
     def _gram(self, step: LayerStep) -> torch.Tensor | None:
         if not self.use_output_projection:
             return None
-        return output_gram(step.output_projection(), step.query.shape[1])
+        return cached_output_gram(step.module, step.output_projection(), step.query.shape[1])
 
     def indicators(self, step: LayerStep) -> torch.Tensor:
         """Per-query indicators ``I_t[j]`` ``(batch, q_heads, w, L)`` of the window queries (Eq. 7)."""
@@ -172,15 +199,13 @@ class OutputReconstruction(Scorer):
         weights = (ema_weights(torch.ones(1, w, dtype=torch.bool), self.alpha)[0] if self.use_ema
                    else torch.full((w,), 1.0 / w, dtype=torch.float64)).float()
         budgets = nominal.repeat_interleave(groups, dim=1).long().contiguous() if self.adaptive_smoothing else None
+        drift = (self.beta, self.kernel_size, self.width_rule) if self.adaptive_smoothing else None
         result = window_scores(rows.contiguous(), step.window_outputs(max(self.window, 1)).contiguous(),
-                               step.view.values, self._gram(step), weights, budgets, count, EPS)
+                               step.view.values, self._gram(step), weights, budgets, count, EPS, drift)
         if result is None:
             return None
-        smoothed, per_query = result
-        if self.adaptive_smoothing:
-            smoothed = drift_window_mean(smoothed, per_query if w >= 2 else None, self.beta, None, self.kernel_size,
-                                         self.width_rule)
-        else:
+        smoothed = result[0]  # the adaptive window applied by the pass (drift_window_mean's, bit for bit)
+        if not self.adaptive_smoothing:
             smoothed = pool_scores(smoothed, self.kernel_size, "avgpool")
         return reduce_groups(smoothed.float(), step.kv_heads, "mean")
 
