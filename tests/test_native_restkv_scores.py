@@ -12,6 +12,7 @@ from conftest import ALL_ARCHS, build_model
 from helpers import all_kept_positions, prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvsieve
 from kvsieve.native import restkv_scores
@@ -68,6 +69,10 @@ def test_scores_and_drift_match_the_pytorch_path(batch, kv_heads, groups, w, len
     expected, expected_per_query = _reference(rows, outputs, values, gram, weights, budgets, prefix)
     torch.testing.assert_close(smoothed, expected, rtol=2e-5, atol=1e-7)
     torch.testing.assert_close(per_query, expected_per_query, rtol=0, atol=0)
+    if restkv_scores.computes_outputs(values):  # the window's outputs from the pass itself (AMX tiles)
+        own, own_per_query = window_scores(rows, None, values, gram, weights, budgets, prefix, EPS)
+        torch.testing.assert_close(own, expected, rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(own_per_query, expected_per_query, rtol=0, atol=0)
     # the adaptive window applied by the pass: drift_window_mean's on the pass's own scores, bit for bit
     beta = data.draw(st.sampled_from([0.5, 3.0, 40.0, 2000.0]))
     base, rule = data.draw(st.sampled_from([1, 3, 5])), data.draw(st.sampled_from(["max", "sum"]))
@@ -86,6 +91,92 @@ def test_ties_at_the_kth_value_take_the_lowest_indices():
     weights = torch.tensor([0.5, 0.5])
     _, per_query = window_scores(rows, outputs, values, None, weights, torch.tensor([[3]]), 10, EPS)
     assert per_query.equal(torch.full((1, 1, 2), (7 + 0 + 1) / 3))
+
+
+@pytest.mark.parametrize("levels", [3, 40, 100_000])
+def test_the_top_k_of_long_rows_with_many_ties_is_top_index_means(levels):
+    """Rows of 5000 entries whose attention takes only a few distinct values (ties by the thousand at the k-th value) or
+    many: each window query's mean top-k index is exactly that of its k largest indicators, ties taken lowest index
+    first (a stable descending sort; torch.topk may take any of the ties)."""
+    generator = torch.Generator().manual_seed(levels)
+    w, length, dim = 4, 5000, 32
+    rows = (torch.randint(1, levels + 1, (1, 2, w, length), generator=generator).float() / (levels * length))
+    values = torch.ones(1, 1, length, dim)  # o_t - v_j the same for every j: the indicator ranks as the attention
+    outputs = torch.zeros(1, 2, w, dim)
+    weights = torch.full((w,), 1.0 / w)
+    order = restkv_indicator(rows, outputs, values, None).sort(dim=-1, descending=True, stable=True).indices
+    for k in (1, 7, 256, 2500, 4999):
+        budgets = torch.tensor([[k, k // 2 + 1]])
+        _, per_query = window_scores(rows, outputs, values, None, weights, budgets, length, EPS)
+        for head, top in enumerate((k, k // 2 + 1)):
+            expected = order[0, head, :, :top].sum(-1).float() / top  # the integer sum rounded, divided: as the pass
+            assert per_query[0, head].equal(expected)
+
+
+@pytest.mark.skipif(not restkv_scores.computes_outputs(torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)),
+                    reason="no AMX tiles here")
+@pytest.mark.parametrize("params", [{"window": 8}, {"window": 8, "use_output_projection": False}, {"window": 1}])
+def test_restkv_on_the_tiles_in_a_bf16_model_keeps_what_the_pytorch_path_keeps(params, monkeypatch):
+    """A bf16 Llama with 32-wide heads takes the tiles' pass (the window's outputs computed there too): its scores are
+    within float32 rounding of the PyTorch path's and the same entries are kept."""
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = prompt(2, 300, seed=5)
+    diffs, outputs_given = [], []
+    original_raw = restkv_scorer.OutputReconstruction.raw
+
+    def compared(self, step, nominal):
+        outputs_given.append(not restkv_scores.computes_outputs(step.view.values))
+        rows = step.window_rows(max(self.window, 1))
+        native = self._native_raw(step, rows, step.view.positions < step.query_positions[-rows.shape[2]], nominal)
+        with monkeypatch.context() as patch:
+            patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            reference = original_raw(self, step, nominal)
+        diffs.append(float((native - reference).abs().max() / reference.abs().max()))
+        return original_raw(self, step, nominal)
+
+    kept = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if native:
+                patch.setattr(restkv_scorer.OutputReconstruction, "raw", compared)
+            else:
+                patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            cache = kvsieve.KVCache(model, "restkv", budget=64, **params)
+            with torch.inference_mode():
+                model(ids, **cache_kwargs(model, cache))
+            cache.flush()
+            kept.append([positions.tolist() for *_, positions in all_kept_positions(cache)])
+    assert diffs and not any(outputs_given)
+    assert max(diffs) < 1e-5
+    assert kept[0] == kept[1]
+
+
+@pytest.mark.skipif(not restkv_scores.computes_outputs(torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)),
+                    reason="no AMX tiles here")
+def test_the_tiles_products_are_of_float32_accuracy():
+    """Three bfloat16 parts of each float32 operand make the tiles' products float32's: every score within 1.5e-6
+    (relative) of the vector pass's on the same numbers as float32 values, and within 5e-7 where the pass computes the
+    window's outputs itself (two parts, 2^-18, were 3e-6 and 2e-6)."""
+    worst_values, worst_outputs = 0.0, 0.0
+    for seed in range(12):
+        for batch, kv_heads, groups, w, length, dim, projected in [(1, 3, 3, 32, 1000, 64, True),
+                                                                   (2, 2, 2, 5, 300, 32, True),
+                                                                   (1, 1, 3, 40, 77, 128, False),
+                                                                   (1, 2, 1, 17, 50, 96, True)]:
+            rows, outputs, values, gram = _inputs(batch, kv_heads, groups, w, length, dim, torch.bfloat16, seed,
+                                                  projected)
+            weights = torch.full((w,), 1.0 / w)
+            tiles = window_scores(rows, outputs, values, gram, weights, None, length - w, EPS)[0]
+            vectors = window_scores(rows, outputs, values.float(), gram, weights, None, length - w, EPS)[0]
+            own = window_scores(rows, None, values, gram, weights, None, length - w, EPS)[0]
+            scale = tiles.abs().clamp(min=1e-30)
+            worst_values = max(worst_values, float(((tiles - vectors).abs() / scale).max()))
+            worst_outputs = max(worst_outputs, float(((tiles - own).abs() / scale).max()))
+    assert worst_values < 1.5e-6
+    assert worst_outputs < 5e-7
 
 
 def test_the_adaptive_window_is_drift_window_means_where_the_halves_drift_apart():

@@ -39,12 +39,23 @@
 #else
 #define KVSIEVE_AVX512 0
 #endif
+#if KVSIEVE_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVSIEVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a feature's register state (asm/prctl.h) */
+#define XFEATURE_XTILEDATA 18      /* the AMX tiles' data */
+#else
+#define KVSIEVE_AMX 0
+#endif
 
 #define KVSIEVE_ABI 1
 #define LANES 16      /* entries per block */
 #define CHUNK 256     /* entries per unit of work */
 #define MOST_DIM 256  /* head size */
 #define MOST_WINDOW 128
+#define GROUP 64      /* entries per round of the tiles: four blocks */
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
@@ -127,6 +138,22 @@ static __m512 gram_square(const __m512 *v, const float *gram, int64_t dim) {
     return square;
 }
 
+/* One window query's indicator of a block's entries (cross: o_t G v' of each; square: v G v'), stored to out (the
+ * entries present), and total + weight x it. */
+static inline __m512 query_indicator(__m512 cross, float outputs_sq, __m512 square, const float *attention_row,
+                                     __mmask16 present, float eps, float *out, float weight, __m512 total) {
+    /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
+    const __m512 sq = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(cross, _mm512_set1_ps(-2.0f)),
+                                                  _mm512_set1_ps(outputs_sq)), square);
+    const __m512 distance = _mm512_sqrt_ps(_mm512_max_ps(sq, _mm512_setzero_ps()));
+    const __m512 attention = _mm512_maskz_loadu_ps(present, attention_row);
+    const __m512 value = _mm512_div_ps(_mm512_mul_ps(distance, attention),
+                                       _mm512_max_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), attention),
+                                                     _mm512_set1_ps(eps)));
+    _mm512_mask_storeu_ps(out, present, value);
+    return _mm512_fmadd_ps(_mm512_set1_ps(weight), value, total);
+}
+
 /* The indicator of one block of entries j0 ... j0 + count - 1 (count <= 16, their values transposed in v) for one
  * (batch item, query head): every window query's row written to indicator[t * prefix + j], the weighted sum to
  * smoothed[j]. */
@@ -141,7 +168,6 @@ static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0,
             square = _mm512_fmadd_ps(v[a], v[a], square);
     }
     const __mmask16 present = (__mmask16)(count >= LANES ? 0xFFFFu : ((1u << count) - 1u));
-    const __m512 one = _mm512_set1_ps(1.0f), floor_eps = _mm512_set1_ps(eps), zero = _mm512_setzero_ps();
     __m512 total = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < w; t0 += 8) {
         const int64_t span = w - t0 < 8 ? w - t0 : 8;
@@ -159,15 +185,8 @@ static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0,
         }
         for (int64_t i = 0; i < span; ++i) {
             const int64_t t = t0 + i;
-            /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
-            __m512 sq = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(cross[i], _mm512_set1_ps(-2.0f)),
-                                                    _mm512_set1_ps(outputs_sq[t])), square);
-            const __m512 distance = _mm512_sqrt_ps(_mm512_max_ps(sq, zero));
-            const __m512 attention = _mm512_maskz_loadu_ps(present, rows + t * length + j0);
-            const __m512 value = _mm512_div_ps(_mm512_mul_ps(distance, attention),
-                                               _mm512_max_ps(_mm512_sub_ps(one, attention), floor_eps));
-            _mm512_mask_storeu_ps(indicator + t * prefix + j0, present, value);
-            total = _mm512_fmadd_ps(_mm512_set1_ps(weights[t]), value, total);
+            total = query_indicator(cross[i], outputs_sq[t], square, rows + t * length + j0, present, eps,
+                                    indicator + t * prefix + j0, weights[t], total);
         }
     }
     _mm512_mask_storeu_ps(smoothed + j0, present, total);
@@ -181,15 +200,11 @@ static inline uint32_t order_key(float x) {
     return bits ^ (negative | 0x80000000u);
 }
 
-/* The mean index of the k largest of scores[0 ... n - 1] (1 <= k < n; ties at the k-th value: the lowest indices):
- * a radix selection of the k-th largest key (its top 11 bits from a histogram of all n keys, then the keys in that
- * bin alone, gathered into `bin_keys`, for the next 11 and the last 10), then one pass summing the indices above it.
- * `keys` and `bin_keys` have room for n. */
-static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t *keys, uint32_t *bin_keys) {
+/* The k-th largest of keys[0 ... n - 1] (1 <= k <= n) by a radix selection: its top 11 bits from a histogram of all
+ * n keys, then the keys in that bin alone, gathered into `bin_keys` (room for n), for the next 11 and the last 10. */
+static uint32_t radix_kth(const uint32_t *keys, int64_t n, int64_t k, uint32_t *bin_keys) {
     uint32_t count[2048];
     memset(count, 0, sizeof count);
-    for (int64_t j = 0; j < n; ++j)
-        keys[j] = order_key(scores[j]);
     for (int64_t j = 0; j < n; ++j)
         ++count[keys[j] >> 21];
     int64_t need = k;
@@ -216,7 +231,74 @@ static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t 
         prefix |= (uint32_t)bin << shift;
         mask |= (uint32_t)(bins - 1) << shift;
     }
-    const uint32_t threshold = prefix; /* the k-th largest key; `need` of its ties are taken, the lowest first */
+    return prefix;
+}
+
+static inline uint32_t median_of_three(uint32_t a, uint32_t b, uint32_t c) {
+    const uint32_t low = a < b ? a : b, high = a < b ? b : a;
+    return c < low ? low : c > high ? high : c;
+}
+
+/* The k-th largest of keys[0 ... n - 1] (1 <= k <= n): a quickselect whose partitions run on the vector units (the
+ * keys above the pivot compressed to the front of a buffer, those below to its back, its equals counted) down to 32
+ * keys, which an insertion sort orders; where 48 rounds of pivots do not get there (keys that do not split), the radix
+ * selection (radix_kth). The result is the same key either way. `room` and `other` have room for n keys each. The
+ * radix histogram alone took ~30 us per 4k row: the keys crowd into the bins of a few exponents, so most increments
+ * wait on the one before; this takes a few. */
+static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t *room, uint32_t *other) {
+    const uint32_t *a = keys;
+    uint32_t *buffers[2] = {room, other};
+    int64_t m = n, want = k;
+    for (int round = 0; m > 32; ++round) {
+        if (round == 48)
+            return radix_kth(a, m, want, buffers[round % 2]);
+        const uint32_t pivot = median_of_three(a[0], a[m / 2], a[m - 1]);
+        uint32_t *out = buffers[round % 2];
+        const __m512i splat = _mm512_set1_epi32((int)pivot);
+        int64_t above = 0, below = 0, j = 0;
+        for (; j + 16 <= m; j += 16) {
+            const __m512i x = _mm512_loadu_si512(a + j);
+            const __mmask16 up = _mm512_cmpgt_epu32_mask(x, splat), down = _mm512_cmplt_epu32_mask(x, splat);
+            _mm512_mask_compressstoreu_epi32(out + above, up, x);
+            above += __builtin_popcount(up);
+            below += __builtin_popcount(down);
+            _mm512_mask_compressstoreu_epi32(out + m - below, down, x);
+        }
+        for (; j < m; ++j) {
+            if (a[j] > pivot)
+                out[above++] = a[j];
+            else if (a[j] < pivot)
+                out[m - ++below] = a[j];
+        }
+        const int64_t equal = m - above - below;
+        if (want <= above) {
+            a = out, m = above;
+        } else if (want <= above + equal) {
+            return pivot;
+        } else {
+            want -= above + equal;
+            a = out + m - below, m = below;
+        }
+    }
+    uint32_t last[32];
+    for (int64_t i = 0; i < m; ++i) { /* descending */
+        int64_t at = i;
+        while (at > 0 && last[at - 1] < a[i]) {
+            last[at] = last[at - 1];
+            --at;
+        }
+        last[at] = a[i];
+    }
+    return last[want - 1];
+}
+
+/* The mean index of the k largest of scores[0 ... n - 1] (1 <= k < n; ties at the k-th value: the lowest indices):
+ * the k-th largest key (kth_largest), then one pass summing the indices above it and one taking the lowest of its ties.
+ * `keys` has room for n, `room` for 2 n. */
+static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t *keys, uint32_t *room) {
+    for (int64_t j = 0; j < n; ++j)
+        keys[j] = order_key(scores[j]);
+    const uint32_t threshold = kth_largest(keys, n, k, room, room + n); /* `need` of its ties are taken, the lowest */
     int64_t sum = 0, above = 0;
     for (int64_t j = 0; j < n; ++j) {
         const int64_t over = keys[j] > threshold;
@@ -273,9 +355,221 @@ static void window_mean(float *scores, int64_t length, int64_t width, int64_t sh
         scores[j] = (float)((sums[hi] - sums[lo]) / (double)width);
     }
 }
+#if KVSIEVE_AMX
+/* The tiles' part (bfloat16 values with an AMX CPU): the three products of float32 accuracy on the tiles, each float32
+ * operand taken as three bfloat16 parts (hi + mid + lo, each the rounding of what the parts before it leave; together
+ * within ~2^-27 of the float), the other one bfloat16 already (the values), so that every product is exact in float32
+ * and only the tiles' float32 sums round (the same as a float32 product's, in another order). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileShape;
+
+static int tiles_granted(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+/* Eight tiles of 16 rows x 64 bytes: 0 ... 3 float32 sums (16 x 16), 4 ... 6 the first operand's three parts
+ * (16 rows x 32 bfloat16), 7 the second operand (16 pairs x 16 columns x 2). */
+static void shape_tiles(void) {
+    TileShape shape;
+    memset(&shape, 0, sizeof shape);
+    shape.palette = 1;
+    for (int tile = 0; tile < 8; ++tile) {
+        shape.bytes_per_row[tile] = 64;
+        shape.rows[tile] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(shape)); /* the whole shape as the operand (see fused_attention.c) */
+}
+
+static inline __m512 widen_bf16(__m256i half) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* x[0 ... n - 1] as three bfloat16 parts, hi + mid + lo (each rounded to nearest), zero from n up to padded. */
+static void split_parts(const float *x, int64_t n, int64_t padded, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
+    for (int64_t i = 0; i < padded; i += 16) {
+        const int64_t left = n - i;
+        const __mmask16 present = (__mmask16)(left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u);
+        __m512 rest = _mm512_maskz_loadu_ps(present, x + i);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(rest);
+        rest = _mm512_sub_ps(rest, widen_bf16(h));
+        const __m256i m = (__m256i)_mm512_cvtneps_pbh(rest);
+        rest = _mm512_sub_ps(rest, widen_bf16(m));
+        const __m256i l = (__m256i)_mm512_cvtneps_pbh(rest);
+        const __mmask16 room = (__mmask16)(padded - i >= 16 ? 0xFFFFu : (1u << (padded - i)) - 1u);
+        _mm256_mask_storeu_epi16(hi + i, room, h);
+        _mm256_mask_storeu_epi16(mid + i, room, m);
+        _mm256_mask_storeu_epi16(lo + i, room, l);
+    }
+}
+
+static inline void zero_sums(int n) {
+    _tile_zero(0);
+    if (n > 1)
+        _tile_zero(1);
+    if (n > 2)
+        _tile_zero(2);
+    if (n > 3)
+        _tile_zero(3);
+}
+
+/* sums tile `sum` += the three first-operand parts (tiles 4 ... 6) times the second operand (tile 7) */
+static inline void add_products(int sum) {
+    switch (sum) { /* the tile's number is an immediate */
+    case 0: _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(0, 5, 7); _tile_dpbf16ps(0, 6, 7); break;
+    case 1: _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); _tile_dpbf16ps(1, 6, 7); break;
+    case 2: _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); break;
+    default: _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_dpbf16ps(3, 6, 7); break;
+    }
+}
+
+static inline void load_parts(const uint16_t *hi, const uint16_t *mid, const uint16_t *lo, int64_t stride) {
+    _tile_loadd(4, hi, stride);
+    _tile_loadd(5, mid, stride);
+    _tile_loadd(6, lo, stride);
+}
+
+static inline void store_sums(int n, float *out, int64_t stride, int64_t step) {
+    _tile_stored(0, out, stride);
+    if (n > 1)
+        _tile_stored(1, out + step, stride);
+    if (n > 2)
+        _tile_stored(2, out + 2 * step, stride);
+    if (n > 3)
+        _tile_stored(3, out + 3 * step, stride);
+}
+
+/* The bfloat16 values of one (batch item, KV head) as the second operand of A.v: entry pairs, each pair's dimensions
+ * one after another with the two entries' values side by side ([pair][d][2]), zero from `length` up to `padded`. */
+static void pack_value_pairs(const uint16_t *values, int64_t v_row, int64_t length, int64_t padded, int64_t dim,
+                             uint16_t *packed) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < padded; j += 2)
+        for (int64_t c = 0; c < dim; c += 32) { /* dim is a multiple of 32 */
+            const __m512i first = j < length ? _mm512_loadu_si512(values + j * v_row + c) : _mm512_setzero_si512();
+            const __m512i second = j + 1 < length ? _mm512_loadu_si512(values + (j + 1) * v_row + c)
+                                                  : _mm512_setzero_si512();
+            uint16_t *out = packed + ((j / 2) * dim + c) * 2;
+            _mm512_storeu_si512(out, _mm512_permutex2var_epi16(first, low, second));
+            _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(first, high, second));
+        }
+}
+
+/* The row stride of window_outputs_tile's parts: a row of `padded` bfloat16 and one cache line more, so that a tile's
+ * 16 rows do not fall on the same cache set (a multiple of 4 KiB apart, they did: 10x slower). */
+static inline int64_t parts_stride(int64_t padded) { return padded + 32; }
+
+/* Window outputs o_t = sum_j A[t, j] v_j of rows r0 ... r0 + 15 (those below `count`) of one KV head's group of query
+ * heads (`rows` their (count x length) float32 block, packed the group's values from pack_value_pairs), written to
+ * out (count x dim). `parts` has room for 3 x 16 x parts_stride(padded) + 32 bfloat16. */
+static void window_outputs_tile(const float *rows, int64_t count, int64_t length, int64_t padded, int64_t r0,
+                                const uint16_t *packed, int64_t dim, uint16_t *parts, float *out) {
+    const int64_t stride = parts_stride(padded);
+    uint16_t *hi = parts, *mid = parts + 16 * stride + 32, *lo = mid + 16 * stride; /* the parts a line apart too */
+    for (int64_t i = 0; i < 16; ++i)
+        split_parts(rows + (r0 + i) * length, r0 + i < count ? length : 0, padded, hi + i * stride,
+                    mid + i * stride, lo + i * stride);
+    float sums[16 * MOST_DIM] __attribute__((aligned(64)));
+    for (int64_t c0 = 0; c0 < dim; c0 += 64) {
+        const int n = dim - c0 >= 64 ? 4 : (int)((dim - c0) / 16);
+        zero_sums(n);
+        for (int64_t k0 = 0; k0 < padded; k0 += 32) {
+            load_parts(hi + k0, mid + k0, lo + k0, stride * 2);
+            for (int i = 0; i < n; ++i) {
+                _tile_loadd(7, packed + ((k0 / 2) * dim + c0 + 16 * i) * 2, dim * 4);
+                add_products(i);
+            }
+        }
+        store_sums(n, sums + c0, dim * 4, 16);
+    }
+    for (int64_t i = 0; i < 16 && r0 + i < count; ++i)
+        memcpy(out + (r0 + i) * dim, sums + i * dim, (size_t)dim * 4);
+}
+
+/* sums[r][16 i ... 16 i + 15] (r < parts_rows, a multiple of 16; GROUP floats a row) = the first operand (three
+ * bfloat16 parts, (parts_rows x dim) each, `part` elements apart) times block i's values (i < blocks <= 4; `packed`
+ * from transpose_block, dim / 2 x 16 a block), over the dimensions: each tile of the first operand's parts is loaded
+ * once for the four blocks (a tile a block, loading them again for each block took twice as long). */
+static void times_blocks(const uint16_t *first, int64_t part, int64_t parts_rows, int64_t dim, const uint32_t *packed,
+                         int blocks, float *sums) {
+    const int64_t block_size = dim / 2 * LANES;
+    for (int64_t r0 = 0; r0 < parts_rows; r0 += 16) {
+        zero_sums(blocks);
+        for (int64_t k0 = 0; k0 < dim; k0 += 32) {
+            const uint16_t *a = first + r0 * dim + k0;
+            load_parts(a, a + part, a + 2 * part, dim * 2);
+            for (int i = 0; i < blocks; ++i) {
+                _tile_loadd(7, packed + i * block_size + (k0 / 2) * LANES, 64);
+                add_products(i);
+            }
+        }
+        store_sums(blocks, sums + r0 * GROUP, GROUP * 4, LANES);
+    }
+}
+
+/* Entries j0 ... j0 + count - 1 (count <= 16) of one (batch item, KV head), bfloat16: v[a] their dimension a as
+ * float32 lanes (zero past count), as transpose_values; block their dimension pairs as the tiles' second operand
+ * ([pair][entry], two bfloat16 in 32 bits). */
+static void transpose_block(const uint16_t *values, int64_t v_row, int64_t dim, int64_t j0, int64_t count, __m512 *v,
+                            uint32_t *block) {
+    float lanes[MOST_DIM][LANES] __attribute__((aligned(64)));
+    const int64_t pairs = dim / 2;
+    for (int64_t l = 0; l < LANES; ++l)
+        for (int64_t p = 0; p < pairs; ++p) {
+            uint32_t bits = 0;
+            if (l < count)
+                memcpy(&bits, values + (j0 + l) * v_row + 2 * p, 4);
+            block[p * LANES + l] = bits;
+            const uint32_t first = bits << 16, second = bits & 0xFFFF0000u;
+            memcpy(&lanes[2 * p][l], &first, 4);
+            memcpy(&lanes[2 * p + 1][l], &second, 4);
+        }
+    for (int64_t a = 0; a < dim; ++a)
+        v[a] = _mm512_load_ps(lanes[a]);
+}
+
+/* One thread's room for a round of the tiles' indicator: the four blocks' values as float32 lanes and packed, (v G)'
+ * ([dimension][entry]) and o_t G v' ([window query][entry]), GROUP entries a row; one allocation (values holds it). */
+typedef struct {
+    __m512 *values;
+    uint32_t *packed;
+    float *spread, *cross;
+} TileScratch;
+
+static int tile_scratch(TileScratch *scratch) {
+    const size_t values = 4 * MOST_DIM * 64, packed = 4 * (MOST_DIM / 2) * LANES * 4;
+    const size_t spread = MOST_DIM * GROUP * 4, cross = MOST_WINDOW * GROUP * 4;
+    char *room = aligned_alloc(64, values + packed + spread + cross);
+    if (!room)
+        return 0;
+    scratch->values = (__m512 *)room;
+    scratch->packed = (uint32_t *)(room + values);
+    scratch->spread = (float *)(room + values + packed);
+    scratch->cross = (float *)(room + values + packed + spread);
+    return 1;
+}
+#endif
 #endif
 
-/* rows: float32 (batch, q_heads, w, length) and outputs (o_t) float32 (batch, q_heads, w, dim), contiguous; values:
+/* Whether the pass takes its products on the AMX tiles here (bfloat16 values of a head size a multiple of 32): built
+ * with them and granted by the kernel. Only then may `outputs` be NULL. */
+int kvsieve_restkv_tiles(void) {
+#if KVSIEVE_AMX
+    return tiles_granted();
+#else
+    return 0;
+#endif
+}
+
+/* rows: float32 (batch, q_heads, w, length) and outputs (o_t) float32 (batch, q_heads, w, dim), contiguous, or NULL
+ * (computed here from rows and values, on the tiles: kvsieve_restkv_tiles, bfloat16 values, dim a multiple of 32); values:
  * float32 (kind 0) or bfloat16 (kind 1) (batch, kv_heads, length, dim) with strides in elements (unit over dim);
  * gram: float32 (q_heads, dim, dim), contiguous, or NULL (the identity); weights: float32 (w); budgets: int64
  * (batch, q_heads), or NULL (per_query not written). Writes smoothed float32 (batch, q_heads, length) (0 from
@@ -294,37 +588,103 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         return -1;
     const int64_t q_heads = kv_heads * groups, heads = batch * q_heads;
     const int64_t chunks = (prefix + CHUNK - 1) / CHUNK;
+#if KVSIEVE_AMX
+    const int tiles = kind == 1 && dim % 32 == 0 && tiles_granted();
+#else
+    const int tiles = 0;
+#endif
+    if (!outputs && !tiles)
+        return -1;
+    /* with the tiles: the values packed for A.v (when computing the outputs), each row's o_t G and each head's G in
+     * three bfloat16 parts, the window rounded up to whole tiles */
+    const int64_t padded = (length + 31) / 32 * 32, w_tiles = (w + 15) / 16 * 16;
     float *projected = malloc((size_t)(heads * w * dim) * 4), *outputs_sq = malloc((size_t)(heads * w) * 4);
     float *indicator = malloc((size_t)(heads * w * (prefix > 0 ? prefix : 1)) * 4);
     int64_t *widths = smooth ? malloc((size_t)heads * 16) : NULL, *shifts = widths ? widths + heads : NULL;
-    if (!projected || !outputs_sq || !indicator || (smooth && !widths)) {
-        free(projected), free(outputs_sq), free(indicator), free(widths);
+    float *own_outputs = outputs ? NULL : malloc((size_t)(heads * w * dim) * 4);
+    uint16_t *packed = outputs ? NULL : malloc((size_t)(batch * kv_heads * padded * dim) * 2);
+    uint16_t *projected_parts = tiles ? malloc((size_t)(heads * 3 * w_tiles * dim) * 2) : NULL;
+    uint16_t *gram_parts = tiles && gram ? malloc((size_t)(q_heads * 3 * dim * dim) * 2) : NULL;
+    if (!projected || !outputs_sq || !indicator || (smooth && !widths) || (!outputs && (!own_outputs || !packed))
+            || (tiles && !projected_parts) || (tiles && gram && !gram_parts)) {
+        free(projected), free(outputs_sq), free(indicator), free(widths), free(own_outputs), free(packed);
+        free(projected_parts), free(gram_parts);
         return -1;
     }
+    const float *window_out = outputs ? outputs : own_outputs;
     int failed = 0, unchanged = 0;
 #pragma omp parallel if (heads * prefix >= 4096)
     {
+#if KVSIEVE_AMX
+    if (tiles)
+        shape_tiles();
+    if (!outputs) { /* o_t = sum_j A[t, j] v_j on the tiles, 16 rows of a KV head's group a unit */
+        const int64_t group_rows = groups * w, units = (group_rows + 15) / 16;
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < batch * kv_heads; ++pair)
+            pack_value_pairs((const uint16_t *)values + (pair / kv_heads) * v_batch + (pair % kv_heads) * v_head,
+                             v_row, length, padded, dim, packed + pair * padded * dim);
+        uint16_t *parts = malloc((size_t)(3 * 16 * parts_stride(padded) + 32) * 2);
+        if (!parts) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < batch * kv_heads * units; ++u) {
+            const int64_t pair = u / units, first = (pair / kv_heads) * q_heads + (pair % kv_heads) * groups;
+            if (parts)
+                window_outputs_tile(rows + first * w * length, group_rows, length, padded, (u % units) * 16,
+                                    packed + pair * padded * dim, dim, parts, own_outputs + first * w * dim);
+        }
+        free(parts);
+    }
+    if (gram_parts) {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < q_heads; ++h) {
+            uint16_t *part = gram_parts + h * 3 * dim * dim;
+            for (int64_t a = 0; a < dim; ++a)
+                split_parts(gram + (h * dim + a) * dim, dim, dim, part + a * dim, part + dim * dim + a * dim,
+                            part + 2 * dim * dim + a * dim);
+        }
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < heads; ++row) { /* o_t G and o_t G o_t' */
-        const float *o = outputs + row * w * dim, *g = gram ? gram + (row % q_heads) * dim * dim : NULL;
+        const float *o = window_out + row * w * dim, *g = gram ? gram + (row % q_heads) * dim * dim : NULL;
         float *p = projected + row * w * dim;
         for (int64_t t = 0; t < w; ++t) {
-            for (int64_t c = 0; c < dim; ++c) {
-                float sum = 0.0f;
-                if (g)
+            if (g) { /* p[c] = sum over a of o[a] g[a][c], a in order, sixteen c at a time */
+                for (int64_t c0 = 0; c0 < dim; c0 += 16) {
+                    const __mmask16 lanes = (__mmask16)(dim - c0 >= 16 ? 0xFFFFu : (1u << (dim - c0)) - 1u);
+                    __m512 sum = _mm512_setzero_ps();
                     for (int64_t a = 0; a < dim; ++a)
-                        sum += o[t * dim + a] * g[a * dim + c];
-                else
-                    sum = o[t * dim + c];
-                p[t * dim + c] = sum;
+                        sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(o[t * dim + a]),
+                                                               _mm512_maskz_loadu_ps(lanes, g + a * dim + c0)));
+                    _mm512_mask_storeu_ps(p + t * dim + c0, lanes, sum);
+                }
+            } else {
+                memcpy(p + t * dim, o + t * dim, (size_t)dim * 4);
             }
             float square = 0.0f;
             for (int64_t a = 0; a < dim; ++a)
                 square += p[t * dim + a] * o[t * dim + a];
             outputs_sq[row * w + t] = square;
         }
+#if KVSIEVE_AMX
+        if (projected_parts) {
+            uint16_t *part = projected_parts + row * 3 * w_tiles * dim;
+            split_parts(p, w * dim, w_tiles * dim, part, part + w_tiles * dim, part + 2 * w_tiles * dim);
+        }
+#endif
         memset(smoothed + row * length + prefix, 0, (size_t)(length - prefix) * 4);
     }
+#if KVSIEVE_AMX
+    TileScratch scratch = {NULL, NULL, NULL, NULL};
+    if (tiles && !tile_scratch(&scratch)) {
+#pragma omp atomic write
+        failed = 1;
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < batch * kv_heads * chunks; ++u) { /* the indicator, block by block */
         const int64_t pair = u / chunks, chunk = u % chunks, b = pair / kv_heads, g = pair % kv_heads;
@@ -334,6 +694,44 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         __m512 transposed[MOST_DIM];
         for (int64_t j0 = chunk * CHUNK; j0 < end; j0 += LANES) {
             const int64_t count = end - j0 < LANES ? end - j0 : LANES;
+#if KVSIEVE_AMX
+            if (tiles && !scratch.values)
+                break;
+            if (tiles) { /* four blocks a round */
+                const int64_t round_end = j0 + GROUP < end ? j0 + GROUP : end;
+                const int blocks = (int)((round_end - j0 + LANES - 1) / LANES);
+                for (int i = 0; i < blocks; ++i) { /* once for the group's query heads */
+                    const int64_t first = j0 + i * LANES, left = round_end - first;
+                    transpose_block(v, v_row, dim, first, left < LANES ? left : LANES, scratch.values + i * MOST_DIM,
+                                    scratch.packed + i * (dim / 2) * LANES);
+                }
+                for (int64_t h = g * groups; h < (g + 1) * groups; ++h) {
+                    const int64_t row = b * q_heads + h;
+                    if (gram_parts)
+                        times_blocks(gram_parts + h * 3 * dim * dim, dim * dim, dim, dim, scratch.packed, blocks,
+                                     scratch.spread);
+                    times_blocks(projected_parts + row * 3 * w_tiles * dim, w_tiles * dim, w_tiles, dim,
+                                 scratch.packed, blocks, scratch.cross);
+                    for (int i = 0; i < blocks; ++i) {
+                        const int64_t first = j0 + i * LANES, left = round_end - first;
+                        const __mmask16 present = (__mmask16)(left >= LANES ? 0xFFFFu : ((1u << left) - 1u));
+                        const __m512 *vi = scratch.values + i * MOST_DIM;
+                        __m512 square = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+                        for (int64_t a = 0; a < dim; ++a)
+                            square = _mm512_fmadd_ps(gram_parts ? _mm512_load_ps(scratch.spread + a * GROUP + i * LANES)
+                                                                : vi[a], vi[a], square);
+                        for (int64_t t = 0; t < w; ++t)
+                            total = query_indicator(_mm512_load_ps(scratch.cross + t * GROUP + i * LANES),
+                                                    outputs_sq[row * w + t], square, rows + (row * w + t) * length + first,
+                                                    present, eps, indicator + (row * w + t) * prefix + first, weights[t],
+                                                    total);
+                        _mm512_mask_storeu_ps(smoothed + row * length + first, present, total);
+                    }
+                }
+                j0 += GROUP - LANES; /* the loop adds the rest */
+                continue;
+            }
+#endif
             transpose_values(v, kind, v_row, dim, j0, count, transposed); /* once for the group's query heads */
             for (int64_t h = g * groups; h < (g + 1) * groups; ++h) {
                 const int64_t row = b * q_heads + h;
@@ -343,9 +741,12 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
             }
         }
     }
+#if KVSIEVE_AMX
+    free(scratch.values);
+#endif
     if (budgets) {
         const int64_t room = prefix > 0 ? prefix : 1;
-        uint32_t *keys = malloc((size_t)room * 8), *bin_keys = keys ? keys + room : NULL;
+        uint32_t *keys = malloc((size_t)room * 12), *bin_keys = keys ? keys + room : NULL;
         if (!keys) {
 #pragma omp atomic write
             failed = 1;
@@ -381,8 +782,13 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
                 window_mean(smoothed + row * length, length, widths[row], shifts[row], sums);
         free(sums);
     }
+#if KVSIEVE_AMX
+    if (tiles)
+        _tile_release();
+#endif
     }
-    free(projected), free(outputs_sq), free(indicator), free(widths);
+    free(projected), free(outputs_sq), free(indicator), free(widths), free(own_outputs), free(packed);
+    free(projected_parts), free(gram_parts);
     return failed ? -1 : 0;
 #else
     (void)batch, (void)kv_heads, (void)groups, (void)w, (void)length, (void)dim, (void)prefix, (void)rows;

@@ -37,7 +37,17 @@ def vector_code() -> bool:
     return probe is not None and bool(probe())
 
 
-def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor, gram: torch.Tensor | None,
+def computes_outputs(values: torch.Tensor) -> bool:
+    """Whether :func:`window_scores` takes ``outputs=None`` for these values: it then computes the window's outputs
+    ``o_t = Σ_j A[t, j] v_j`` itself, and its three products run on the AMX tiles (bfloat16 values on the CPU, a head
+    size a multiple of 32, a build with AMX that the kernel grants the tiles to)."""
+    if values.device.type != "cpu" or values.dtype != torch.bfloat16 or values.shape[-1] % 32:
+        return False
+    probe = build.function("reconstruction", "kvsieve_restkv_tiles", ())
+    return probe is not None and bool(probe())
+
+
+def window_scores(rows: torch.Tensor, outputs: torch.Tensor | None, values: torch.Tensor, gram: torch.Tensor | None,
                   weights: torch.Tensor, budgets: torch.Tensor | None, prefix: int, eps: float,
                   drift: tuple[float, int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(smoothed, per_query)``: ``smoothed`` ``(batch, q_heads, L)`` float32, ``Σ_t weights[t]·I[t, j]`` for the
@@ -47,20 +57,22 @@ def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tenso
     ``drift_window_mean(smoothed, per_query if w >= 2 else None, beta, None, base, rule)`` (Eq. 10–13).
 
     ``rows`` ``(batch, q_heads, w, L)`` and ``outputs`` ``(batch, q_heads, w, d)`` float32 contiguous (the window's
-    softmax rows and outputs), ``values`` ``(batch, kv_heads, L, d)`` float32 or bfloat16 (unit stride over ``d``),
+    softmax rows and outputs; ``outputs=None`` where :func:`computes_outputs`: from ``rows`` and ``values`` here, within
+    float32 rounding of ``rows @ values``), ``values`` ``(batch, kv_heads, L, d)`` float32 or bfloat16 (unit stride over
+    ``d``),
     ``gram`` ``(q_heads, d, d)`` float32 contiguous or None (the "w/o W_O" ablation), ``weights`` ``(w,)`` float32,
     ``budgets`` ``(batch, q_heads)`` int64. None where the pass does not apply (module docstring)."""
     batch, q_heads, w, length = rows.shape
     kv_heads, dim = values.shape[1], values.shape[-1]
     groups = q_heads // kv_heads if kv_heads else 0
     kind = KINDS.get(values.dtype)
-    tensors = (rows, outputs, values, weights, *(t for t in (gram, budgets) if t is not None))
+    tensors = tuple(t for t in (rows, outputs, values, weights, gram, budgets) if t is not None)
     beta, base, rule = drift if drift is not None else (1.0, 1, "max")
     if (any(t.device.type != "cpu" for t in tensors) or kind is None or rows.dtype != torch.float32
-            or outputs.dtype != torch.float32 or weights.dtype != torch.float32 or not rows.is_contiguous()
-            or not outputs.is_contiguous() or not weights.is_contiguous() or values.stride(3) != 1
+            or weights.dtype != torch.float32 or not rows.is_contiguous() or not weights.is_contiguous()
+            or values.stride(3) != 1
             or groups < 1 or groups * kv_heads != q_heads or values.shape != (batch, kv_heads, length, dim)
-            or outputs.shape != (batch, q_heads, w, dim) or weights.shape != (w,) or not 1 <= w <= MOST_WINDOW
+            or weights.shape != (w,) or not 1 <= w <= MOST_WINDOW
             or not 1 <= dim <= MOST_DIM or not 0 <= prefix <= length
             or (drift is not None and (budgets is None or not beta > 0 or base < 1 or rule not in RULES))
             or (gram is not None and (gram.dtype != torch.float32 or not gram.is_contiguous()
@@ -68,12 +80,19 @@ def window_scores(rows: torch.Tensor, outputs: torch.Tensor, values: torch.Tenso
             or (budgets is not None and (budgets.dtype != torch.long or not budgets.is_contiguous()
                                          or budgets.shape != (batch, q_heads)))):
         return None
+    if outputs is None:
+        if not computes_outputs(values):
+            return None
+    elif (outputs.dtype != torch.float32 or not outputs.is_contiguous()
+          or outputs.shape != (batch, q_heads, w, dim)):
+        return None
     kernel = build.function("reconstruction", "kvsieve_restkv_window_scores", ARGUMENTS)
     if kernel is None:
         return None
     smoothed = torch.empty((batch, q_heads, length), dtype=torch.float32)
     per_query = torch.empty((batch, q_heads, w), dtype=torch.float32) if budgets is not None else None
-    status = kernel(batch, kv_heads, groups, w, length, dim, prefix, rows.data_ptr(), outputs.data_ptr(),
+    status = kernel(batch, kv_heads, groups, w, length, dim, prefix, rows.data_ptr(),
+                    None if outputs is None else outputs.data_ptr(),
                     values.data_ptr(), kind, values.stride(0), values.stride(1), values.stride(2),
                     None if gram is None else gram.data_ptr(), weights.data_ptr(),
                     None if budgets is None else budgets.data_ptr(), eps, int(drift is not None), float(beta),

@@ -40,7 +40,8 @@ the per-head ``d×d`` Gram of ``W_O^h`` and one ``(w×d)·(d×L)`` product per h
 ``O(w·L·d + L·d²)`` like SnapKV's ``O(w·L·d)``; the Gram matrices are computed once per layer and weight
 (:func:`cached_output_gram`). On the CPU a prompt without padding takes steps 1–3 — the indicator, temporal smoothing,
 each window query's top-``B`` mean index and the adaptive window — from one C pass over the values
-(:mod:`kvsieve.native.restkv_scores`, within float32 rounding of the PyTorch path, which stays the reference).
+(:mod:`kvsieve.native.restkv_scores`, within float32 rounding of the PyTorch path, which stays the reference); with
+bf16 values on an AMX CPU the pass also computes the window's outputs ``o_t``, and its products run on the tiles.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from kvsieve.core.part import (
 )
 from kvsieve.core.preset import Preset
 from kvsieve.core.step import OUTPUT_PROJECTION, WINDOW_OUTPUTS, WINDOW_ROWS, LayerStep
-from kvsieve.native.restkv_scores import window_scores
+from kvsieve.native.restkv_scores import computes_outputs, window_scores
 from kvsieve.ops.gqa import reduce_groups
 from kvsieve.ops.pooling import pool_scores
 from kvsieve.ops.reconstruction import EPS, output_gram, restkv_indicator, vatp_indicator
@@ -200,8 +201,11 @@ class OutputReconstruction(Scorer):
                    else torch.full((w,), 1.0 / w, dtype=torch.float64)).float()
         budgets = nominal.repeat_interleave(groups, dim=1).long().contiguous() if self.adaptive_smoothing else None
         drift = (self.beta, self.kernel_size, self.width_rule) if self.adaptive_smoothing else None
-        result = window_scores(rows.contiguous(), step.window_outputs(max(self.window, 1)).contiguous(),
-                               step.view.values, self._gram(step), weights, budgets, count, EPS, drift)
+        values = step.view.values
+        # the window's outputs from the pass itself where it can (bf16 values: on the AMX tiles), else PyTorch's
+        outputs = None if computes_outputs(values) else step.window_outputs(max(self.window, 1)).contiguous()
+        result = window_scores(rows.contiguous(), outputs, values, self._gram(step), weights, budgets, count, EPS,
+                               drift)
         if result is None:
             return None
         smoothed = result[0]  # the adaptive window applied by the pass (drift_window_mean's, bit for bit)
