@@ -299,13 +299,15 @@ static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t 
     for (int64_t j = 0; j < n; ++j)
         keys[j] = order_key(scores[j]);
     const uint32_t threshold = kth_largest(keys, n, k, room, room + n); /* `need` of its ties are taken, the lowest */
-    int64_t sum = 0, above = 0;
+    int64_t sum = 0, above = 0, tie_sum = 0, ties = 0;
     for (int64_t j = 0; j < n; ++j) {
-        const int64_t over = keys[j] > threshold;
-        sum += over * j;
-        above += over;
+        const int64_t over = keys[j] > threshold, tie = keys[j] == threshold;
+        sum += over * j, above += over;
+        tie_sum += tie * j, ties += tie;
     }
-    for (int64_t j = 0; j < n && above < k; ++j)
+    if (above + ties == k) /* every tie is taken (one, mostly) */
+        return (float)(sum + tie_sum) / (float)k;
+    for (int64_t j = 0; j < n && above < k; ++j) /* the lowest of the ties */
         if (keys[j] == threshold)
             sum += j, ++above;
     return (float)sum / (float)k;
