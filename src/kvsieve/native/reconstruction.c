@@ -15,18 +15,26 @@
  * and, when asked (`smooth`), the adaptive window itself from per_query (Eq. 10-13, as
  * kvsieve.ops.smoothing.drift_window_mean: the halves' mean indices in double, where sums of float32 indices are exact
  * in any order, so the widths and shifts are the PyTorch path's; then each row's window mean from a float64 prefix sum
- * in the order torch.cumsum takes, so the smoothed scores are too, bit for bit, given the same unsmoothed ones).
- * Without `smooth` kvsieve.ops.smoothing.drift_window_mean turns per_query into the adaptive window. The PyTorch path computes the
- * same expansion in float32 with other summation orders, so the scores agree within float32 rounding (relative ~1e-6,
- * more where o_t ~ v_j, where the expansion cancels in both); where several entries tie at the k-th largest value the
- * lowest indices are taken (torch.topk takes any of them).
+ * in the order torch.cumsum takes, so the smoothed scores are too, bit for bit, given the same unsmoothed ones);
+ * without `smooth` kvsieve.ops.smoothing.drift_window_mean does that. The PyTorch path computes the same expansion in
+ * float32 with other summation orders, so the scores agree within float32 rounding (relative ~1e-6, more where
+ * o_t ~ v_j, where the expansion cancels in both); where several entries tie at the k-th largest value the lowest
+ * indices are taken (torch.topk takes any of them).
  *
- * Work: o_t G per (batch item, query head); then blocks of 16 entries, one per vector lane, the values of a block
- * transposed to float32 once for the KV head's query heads so that each of the d dimensions is one vector (v G v' from
- * G's upper triangle, o_t G v' for every window query); then one selection per (batch item, query head, window query)
- * (a radix selection of the k-th largest: three histograms of the float's ordered bits). Each part's units
- * are shared among torch's OpenMP threads. Vector code needs AVX-512 (-march=native on a CPU with it); elsewhere the
- * function returns -1 and the caller keeps PyTorch.
+ * Work: o_t G per (batch item, query head) (and, with the tiles, o_t itself first); then the indicator in units of 256
+ * entries of a (batch item, KV head), shared by its query heads; then one selection per (batch item, query head, window
+ * query): a quickselect of the k-th largest order key on the vector units (kth_largest). Each part's units are shared
+ * among torch's OpenMP threads.
+ *
+ * Two ways to the products o_t G v' and v G v':
+ * - bfloat16 values with AMX tiles (KVSIEVE_AMX, granted by the kernel, d a multiple of 32): on the tiles, each
+ *   float32 operand (o_t G, G, and for o_t = sum_j A[t, j] v_j the rows A) as three bfloat16 parts whose sum is within
+ *   ~2^-27 of it, the values bfloat16 already, so every product is exact in float32 and only the tiles' float32 sums
+ *   round: float32 accuracy (tested against the vector way on the same numbers), four blocks of 16 entries a round;
+ * - otherwise on the vector units: blocks of 16 entries, one per lane, each block's values transposed to float32 once,
+ *   each of the d dimensions one vector (v G v' from G's upper triangle, o_t G v' for every window query).
+ * Vector code needs AVX-512 (-march=native on a CPU with it); elsewhere the function returns -1 and the caller keeps
+ * PyTorch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -139,9 +147,10 @@ static __m512 gram_square(const __m512 *v, const float *gram, int64_t dim) {
 }
 
 /* One window query's indicator of a block's entries (cross: o_t G v' of each; square: v G v'), stored to out (the
- * entries present), and total + weight x it. */
+ * entries present) as order keys (the float's bits, negative numbers' reversed: unsigned keys in the floats' order),
+ * which the top-k reads, and total + weight x it. */
 static inline __m512 query_indicator(__m512 cross, float outputs_sq, __m512 square, const float *attention_row,
-                                     __mmask16 present, float eps, float *out, float weight, __m512 total) {
+                                     __mmask16 present, float eps, uint32_t *out, float weight, __m512 total) {
     /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
     const __m512 sq = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(cross, _mm512_set1_ps(-2.0f)),
                                                   _mm512_set1_ps(outputs_sq)), square);
@@ -150,7 +159,9 @@ static inline __m512 query_indicator(__m512 cross, float outputs_sq, __m512 squa
     const __m512 value = _mm512_div_ps(_mm512_mul_ps(distance, attention),
                                        _mm512_max_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), attention),
                                                      _mm512_set1_ps(eps)));
-    _mm512_mask_storeu_ps(out, present, value);
+    const __m512i bits = _mm512_castps_si512(value); /* the order key, without a branch */
+    _mm512_mask_storeu_epi32(out, present, _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31),
+                                                                                   _mm512_set1_epi32(INT32_MIN))));
     return _mm512_fmadd_ps(_mm512_set1_ps(weight), value, total);
 }
 
@@ -159,7 +170,8 @@ static inline __m512 query_indicator(__m512 cross, float outputs_sq, __m512 squa
  * smoothed[j]. */
 static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0, int64_t count, int64_t prefix,
                             int64_t length, const float *rows, const float *projected, const float *outputs_sq,
-                            const float *gram, const float *weights, float eps, float *indicator, float *smoothed) {
+                            const float *gram, const float *weights, float eps, uint32_t *indicator,
+                            float *smoothed) {
     __m512 square = _mm512_setzero_ps(); /* v G v' */
     if (gram) {
         square = gram_square(v, gram, dim);
@@ -192,13 +204,6 @@ static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0,
     _mm512_mask_storeu_ps(smoothed + j0, present, total);
 }
 
-/* A float32's bits as an unsigned key in the same order (negative numbers' bits reversed), without a branch. */
-static inline uint32_t order_key(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    const uint32_t negative = (uint32_t)((int32_t)bits >> 31);
-    return bits ^ (negative | 0x80000000u);
-}
 
 /* The k-th largest of keys[0 ... n - 1] (1 <= k <= n) by a radix selection: its top 11 bits from a histogram of all
  * n keys, then the keys in that bin alone, gathered into `bin_keys` (room for n), for the next 11 and the last 10. */
@@ -292,12 +297,10 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
     return last[want - 1];
 }
 
-/* The mean index of the k largest of scores[0 ... n - 1] (1 <= k < n; ties at the k-th value: the lowest indices):
- * the k-th largest key (kth_largest), then one pass summing the indices above it and one taking the lowest of its ties.
- * `keys` has room for n, `room` for 2 n. */
-static float top_mean_index(const float *scores, int64_t n, int64_t k, uint32_t *keys, uint32_t *room) {
-    for (int64_t j = 0; j < n; ++j)
-        keys[j] = order_key(scores[j]);
+/* The mean index of the k largest of n scores, given as their order keys (query_indicator's; 1 <= k < n; ties at the
+ * k-th value: the lowest indices): the k-th largest key (kth_largest), then one pass summing the indices above it and
+ * one taking the lowest of its ties. `room` has room for 2 n. */
+static float top_mean_index(const uint32_t *keys, int64_t n, int64_t k, uint32_t *room) {
     const uint32_t threshold = kth_largest(keys, n, k, room, room + n); /* `need` of its ties are taken, the lowest */
     int64_t sum = 0, above = 0, tie_sum = 0, ties = 0;
     for (int64_t j = 0; j < n; ++j) {
@@ -521,20 +524,16 @@ static void times_blocks(const uint16_t *first, int64_t part, int64_t parts_rows
  * ([pair][entry], two bfloat16 in 32 bits). */
 static void transpose_block(const uint16_t *values, int64_t v_row, int64_t dim, int64_t j0, int64_t count, __m512 *v,
                             uint32_t *block) {
-    float lanes[MOST_DIM][LANES] __attribute__((aligned(64)));
-    const int64_t pairs = dim / 2;
-    for (int64_t l = 0; l < LANES; ++l)
-        for (int64_t p = 0; p < pairs; ++p) {
-            uint32_t bits = 0;
-            if (l < count)
-                memcpy(&bits, values + (j0 + l) * v_row + 2 * p, 4);
-            block[p * LANES + l] = bits;
-            const uint32_t first = bits << 16, second = bits & 0xFFFF0000u;
-            memcpy(&lanes[2 * p][l], &first, 4);
-            memcpy(&lanes[2 * p + 1][l], &second, 4);
-        }
-    for (int64_t a = 0; a < dim; ++a)
-        v[a] = _mm512_load_ps(lanes[a]);
+    const __mmask16 present = (__mmask16)(count >= LANES ? 0xFFFFu : (1u << count) - 1u);
+    const __m512i entry = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)v_row)); /* in bfloat16 elements */
+    const uint16_t *first = values + j0 * v_row;
+    for (int64_t p = 0; p < dim / 2; ++p) { /* pair p of the sixteen entries, one gather */
+        const __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, entry, first + 2 * p, 2);
+        _mm512_storeu_si512(block + p * LANES, pair);
+        v[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        v[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
 }
 
 /* One thread's room for a round of the tiles' indicator: the four blocks' values as float32 lanes and packed, (v G)'
@@ -571,7 +570,8 @@ int kvsieve_restkv_tiles(void) {
 }
 
 /* rows: float32 (batch, q_heads, w, length) and outputs (o_t) float32 (batch, q_heads, w, dim), contiguous, or NULL
- * (computed here from rows and values, on the tiles: kvsieve_restkv_tiles, bfloat16 values, dim a multiple of 32); values:
+ * (computed here from rows and values, on the tiles: kvsieve_restkv_tiles, bfloat16 values, dim a multiple of 32);
+ * values:
  * float32 (kind 0) or bfloat16 (kind 1) (batch, kv_heads, length, dim) with strides in elements (unit over dim);
  * gram: float32 (q_heads, dim, dim), contiguous, or NULL (the identity); weights: float32 (w); budgets: int64
  * (batch, q_heads), or NULL (per_query not written). Writes smoothed float32 (batch, q_heads, length) (0 from
@@ -591,7 +591,8 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
     const int64_t q_heads = kv_heads * groups, heads = batch * q_heads;
     const int64_t chunks = (prefix + CHUNK - 1) / CHUNK;
 #if KVSIEVE_AMX
-    const int tiles = kind == 1 && dim % 32 == 0 && tiles_granted();
+    /* (the gathers take 32-bit offsets) */
+    const int tiles = kind == 1 && dim % 32 == 0 && v_row <= INT32_MAX / LANES && tiles_granted();
 #else
     const int tiles = 0;
 #endif
@@ -601,7 +602,7 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
      * three bfloat16 parts, the window rounded up to whole tiles */
     const int64_t padded = (length + 31) / 32 * 32, w_tiles = (w + 15) / 16 * 16;
     float *projected = malloc((size_t)(heads * w * dim) * 4), *outputs_sq = malloc((size_t)(heads * w) * 4);
-    float *indicator = malloc((size_t)(heads * w * (prefix > 0 ? prefix : 1)) * 4);
+    uint32_t *indicator = malloc((size_t)(heads * w * (prefix > 0 ? prefix : 1)) * 4); /* as order keys */
     int64_t *widths = smooth ? malloc((size_t)heads * 16) : NULL, *shifts = widths ? widths + heads : NULL;
     float *own_outputs = outputs ? NULL : malloc((size_t)(heads * w * dim) * 4);
     uint16_t *packed = outputs ? NULL : malloc((size_t)(batch * kv_heads * padded * dim) * 2);
@@ -722,11 +723,12 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
                         for (int64_t a = 0; a < dim; ++a)
                             square = _mm512_fmadd_ps(gram_parts ? _mm512_load_ps(scratch.spread + a * GROUP + i * LANES)
                                                                 : vi[a], vi[a], square);
-                        for (int64_t t = 0; t < w; ++t)
+                        for (int64_t t = 0; t < w; ++t) {
+                            const int64_t query = row * w + t;
                             total = query_indicator(_mm512_load_ps(scratch.cross + t * GROUP + i * LANES),
-                                                    outputs_sq[row * w + t], square, rows + (row * w + t) * length + first,
-                                                    present, eps, indicator + (row * w + t) * prefix + first, weights[t],
-                                                    total);
+                                                    outputs_sq[query], square, rows + query * length + first, present,
+                                                    eps, indicator + query * prefix + first, weights[t], total);
+                        }
                         _mm512_mask_storeu_ps(smoothed + row * length + first, present, total);
                     }
                 }
@@ -747,24 +749,24 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
     free(scratch.values);
 #endif
     if (budgets) {
-        const int64_t room = prefix > 0 ? prefix : 1;
-        uint32_t *keys = malloc((size_t)room * 12), *bin_keys = keys ? keys + room : NULL;
-        if (!keys) {
+        const int64_t most = prefix > 0 ? prefix : 1;
+        uint32_t *room = malloc((size_t)most * 8); /* kth_largest's two buffers */
+        if (!room) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < heads * w; ++u) { /* each window query's top-k mean index */
-            if (!keys)
+            if (!room)
                 continue;
             const int64_t row = u / w, t = u % w, k = budgets[row];
             float mean = 0.0f;
             if (k > 0 && prefix > 0)
                 mean = k >= prefix ? (float)(prefix * (prefix - 1) / 2) / (float)prefix /* all of them */
-                                   : top_mean_index(indicator + (row * w + t) * prefix, prefix, k, keys, bin_keys);
+                                   : top_mean_index(indicator + (row * w + t) * prefix, prefix, k, room);
             per_query[u] = mean;
         }
-        free(keys);
+        free(room);
     }
     if (smooth) { /* the adaptive window, once every query's mean index is known (the loop above ends in a barrier) */
 #pragma omp single

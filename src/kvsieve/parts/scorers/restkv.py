@@ -46,6 +46,7 @@ bf16 values on an AMX CPU the pass also computes the window's outputs ``o_t``, a
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import ClassVar
@@ -77,6 +78,16 @@ from kvsieve.parts.allocators.pyramid import Pyramid
 from kvsieve.parts.scorers.base import Scorer
 
 INDICATORS = ("restkv", "vatp", "attention")
+
+@functools.lru_cache(maxsize=64)
+def window_weights(w: int, alpha: float | None) -> torch.Tensor:
+    """The ``w`` window queries' weights in Eq. 9's EMA with factor ``alpha`` (:func:`ema_weights`, every query real)
+    or, with ``alpha=None``, the plain mean's, as float32 on the CPU: the same for every layer, so computed once (the
+    native pass reads them; nothing writes to them)."""
+    if alpha is None:
+        return torch.full((w,), 1.0 / w, dtype=torch.float64).float()
+    return ema_weights(torch.ones(1, w, dtype=torch.bool), alpha)[0].float()
+
 
 #: Each attention module's ``W_O`` Gram matrices, with the weight they were computed from: ``module → (weight,
 #: version, q_heads, gram)``. Dropped with the module (weak keys).
@@ -197,8 +208,7 @@ class OutputReconstruction(Scorer):
         if not bool((prefix == leading).all()):
             return None
         w, groups = rows.shape[2], step.groups
-        weights = (ema_weights(torch.ones(1, w, dtype=torch.bool), self.alpha)[0] if self.use_ema
-                   else torch.full((w,), 1.0 / w, dtype=torch.float64)).float()
+        weights = window_weights(w, self.alpha if self.use_ema else None)
         budgets = nominal.repeat_interleave(groups, dim=1).long().contiguous() if self.adaptive_smoothing else None
         drift = (self.beta, self.kernel_size, self.width_rule) if self.adaptive_smoothing else None
         values = step.view.values
