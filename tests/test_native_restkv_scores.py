@@ -52,7 +52,7 @@ def _reference(rows, outputs, values, gram, weights, budgets, prefix):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 3), groups=st.integers(1, 3), w=st.integers(1, 40),
-       length=st.integers(4, 300), dim=st.sampled_from([2, 7, 16, 64, 96, 128]), bf16=st.booleans(),
+       length=st.integers(4, 300), dim=st.sampled_from([2, 7, 16, 32, 64, 96, 128, 256]), bf16=st.booleans(),
        projected=st.booleans(), ema=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
 def test_scores_and_drift_match_the_pytorch_path(batch, kv_heads, groups, w, length, dim, bf16, projected, ema, seed,
                                                   data):
@@ -165,7 +165,8 @@ def test_the_tiles_products_are_of_float32_accuracy():
         for batch, kv_heads, groups, w, length, dim, projected in [(1, 3, 3, 32, 1000, 64, True),
                                                                    (2, 2, 2, 5, 300, 32, True),
                                                                    (1, 1, 3, 40, 77, 128, False),
-                                                                   (1, 2, 1, 17, 50, 96, True)]:
+                                                                   (1, 2, 1, 17, 50, 96, True),
+                                                                   (1, 1, 2, 128, 400, 256, True)]:  # the largest
             rows, outputs, values, gram = _inputs(batch, kv_heads, groups, w, length, dim, torch.bfloat16, seed,
                                                   projected)
             weights = torch.full((w,), 1.0 / w)
