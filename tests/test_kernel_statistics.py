@@ -286,6 +286,13 @@ def test_window_rows_mask_only_what_some_query_cannot_see_and_equal_the_full_mas
     weight[1, :5] = 0.0  # left-padding queries of the second row
     for chunk in (1, 10**9):  # one batch row per chunk / every row in one
         monkeypatch.setattr(kernel, "WINDOW_CHUNK_BYTES", chunk)
+        assert torch.equal(window_attention_rows(query, keys, visibility, form, bias), got)  # the rows chunk by chunk
+        # one KV head's group: one chunk, returned without a copy
+        one_head = Visibility(start, positions[:, :1], None if valid is None else valid[:, :1], window)
+        groups = Q_HEADS // KV_HEADS
+        group_form = AttentionForm(form.scaling, form.softcap, None if form.sinks is None else form.sinks[:groups])
+        assert torch.equal(window_attention_rows(query[:, :groups], keys[:, :1], one_head, group_form,
+                                                 None if bias is None else bias[:, :1]), got[:, :groups])
         for given in (None, weight):
             sums = window_column_sums(query, keys, visibility, form, bias, given)
             rows = got if given is None else got * given[:, None, :, None]

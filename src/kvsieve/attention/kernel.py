@@ -440,9 +440,14 @@ def window_attention_rows(
     form = as_form(form)
     batch, q_heads, w, _ = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
-    out = torch.empty(batch, kv_heads, q_heads // kv_heads, w, n, dtype=torch.float32, device=query.device)
+    out = None
     for bs, kv, probs in _window_chunks(query, keys, visibility, form, bias):
+        if probs.shape[:2] == (batch, kv_heads):  # one chunk (off the CPU, or one head and row): no copy
+            return probs.view(batch, q_heads, w, n)
+        if out is None:
+            out = torch.empty(batch, kv_heads, q_heads // kv_heads, w, n, dtype=torch.float32, device=query.device)
         out[bs, kv] = probs
+    assert out is not None
     return out.view(batch, q_heads, w, n)
 
 
