@@ -93,6 +93,40 @@ def test_ties_at_the_kth_value_take_the_lowest_indices():
     assert per_query.equal(torch.full((1, 1, 2), (7 + 0 + 1) / 3))
 
 
+def _native_against_pytorch(model, ids, params, monkeypatch, seen=lambda step: None):
+    """One prompt through ``restkv`` with the pass and once without it: whether each layer took the pass, the relative
+    difference of its scores from the PyTorch path's, and the positions each run kept. ``seen(step)`` is called at
+    each layer's scoring."""
+    taken, diffs = [], []
+    original_raw = restkv_scorer.OutputReconstruction.raw
+
+    def compared(self, step, nominal):
+        seen(step)
+        rows = step.window_rows(max(self.window, 1))
+        native = self._native_raw(step, rows, step.view.positions < step.query_positions[-rows.shape[2]], nominal)
+        taken.append(native is not None)
+        with monkeypatch.context() as patch:
+            patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            reference = original_raw(self, step, nominal)
+        if native is not None:
+            diffs.append(float((native - reference).abs().max() / reference.abs().max().clamp(min=1e-30)))
+        return original_raw(self, step, nominal)
+
+    kept = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if native:
+                patch.setattr(restkv_scorer.OutputReconstruction, "raw", compared)
+            else:
+                patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
+            cache = kvsieve.KVCache(model, "restkv", **params)
+            with torch.inference_mode():
+                model(ids, **cache_kwargs(model, cache))
+            cache.flush()
+            kept.append([positions.tolist() for *_, positions in all_kept_positions(cache)])
+    return taken, diffs, kept
+
+
 @pytest.mark.parametrize("levels", [3, 40, 100_000])
 def test_the_top_k_of_long_rows_with_many_ties_is_top_index_means(levels):
     """Rows of 5000 entries whose attention takes only a few distinct values (ties by the thousand at the k-th value) or
@@ -123,33 +157,11 @@ def test_restkv_on_the_tiles_in_a_bf16_model_keeps_what_the_pytorch_path_keeps(p
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = prompt(2, 300, seed=5)
-    diffs, outputs_given = [], []
-    original_raw = restkv_scorer.OutputReconstruction.raw
-
-    def compared(self, step, nominal):
-        outputs_given.append(not restkv_scores.computes_outputs(step.view.values))
-        rows = step.window_rows(max(self.window, 1))
-        native = self._native_raw(step, rows, step.view.positions < step.query_positions[-rows.shape[2]], nominal)
-        with monkeypatch.context() as patch:
-            patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
-            reference = original_raw(self, step, nominal)
-        diffs.append(float((native - reference).abs().max() / reference.abs().max()))
-        return original_raw(self, step, nominal)
-
-    kept = []
-    for native in (True, False):
-        with monkeypatch.context() as patch:
-            if native:
-                patch.setattr(restkv_scorer.OutputReconstruction, "raw", compared)
-            else:
-                patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
-            cache = kvsieve.KVCache(model, "restkv", budget=64, **params)
-            with torch.inference_mode():
-                model(ids, **cache_kwargs(model, cache))
-            cache.flush()
-            kept.append([positions.tolist() for *_, positions in all_kept_positions(cache)])
-    assert diffs and not any(outputs_given)
+    outputs_given = []
+    taken, diffs, kept = _native_against_pytorch(
+        model, prompt(2, 300, seed=5), {"budget": 64, **params}, monkeypatch,
+        lambda step: outputs_given.append(not restkv_scores.computes_outputs(step.view.values)))
+    assert taken and all(taken) and not any(outputs_given)
     assert max(diffs) < 1e-5
     assert kept[0] == kept[1]
 
@@ -222,35 +234,8 @@ def test_what_it_does_not_take_is_declined():
 def test_restkv_in_a_model_keeps_what_the_pytorch_path_keeps(arch, params, monkeypatch):
     """Every layer that takes the pass scores within float32 rounding of the PyTorch path, and the same entries are
     kept; the pass is taken wherever a prompt compacts without padding."""
-    model = build_model(arch)
-    ids = prompt(2, 90, seed=3)
-    taken, diffs = [], []
-    original_raw = restkv_scorer.OutputReconstruction.raw
-
-    def compared(self, step, nominal):
-        native = self._native_raw(step, step.window_rows(max(self.window, 1)),
-                                  step.view.positions < step.query_positions[-step.window_rows(max(self.window, 1))
-                                                                             .shape[2]], nominal)
-        taken.append(native is not None)
-        with monkeypatch.context() as patch:
-            patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
-            reference = original_raw(self, step, nominal)
-        if native is not None:
-            diffs.append(float((native - reference).abs().max() / reference.abs().max().clamp(min=1e-30)))
-        return original_raw(self, step, nominal)
-
-    kept = []
-    for native in (True, False):
-        with monkeypatch.context() as patch:
-            if native:
-                patch.setattr(restkv_scorer.OutputReconstruction, "raw", compared)
-            else:
-                patch.setattr(restkv_scorer, "window_scores", lambda *args: None)
-            cache = kvsieve.KVCache(model, "restkv", budget=24, **params)
-            with torch.inference_mode():
-                model(ids, **cache_kwargs(model, cache))
-            cache.flush()
-            kept.append([positions.tolist() for *_, positions in all_kept_positions(cache)])
+    taken, diffs, kept = _native_against_pytorch(build_model(arch), prompt(2, 90, seed=3), {"budget": 24, **params},
+                                                 monkeypatch)
     assert taken and all(taken)
     assert max(diffs) < 1e-5
     assert kept[0] == kept[1]
