@@ -22,6 +22,7 @@ import kvsieve
 import kvsieve.cache.store_append as store_append
 from kvsieve.cache.store import LayerStore
 from kvsieve.core.step import AppendedUpdate
+from kvsieve.engine.engine import Engine
 from kvsieve.parts.scorers import retention
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -126,8 +127,9 @@ def test_a_deferring_store_holds_what_an_eager_store_holds(data, monkeypatch_gro
 
 
 def test_the_store_defers_and_counts_what_it_holds_pending():
-    """Steps' values are computed together on the first read, not one by one; the pending inputs count in the bytes;
-    an append that is not one entry per segment settles first."""
+    """Steps' values are computed on the first read, not at their steps (each step's input on its own, so the values
+    are a per-step computation's bit for bit); the pending inputs count in the bytes; an append that is not one entry
+    per segment settles first."""
     store, compute = _store(), Batched()
     store.append(*torch.randn(2, B, H, 3, D).unbind(0), 0, None)
     base = store.nbytes()
@@ -142,14 +144,14 @@ def test_the_store_defers_and_counts_what_it_holds_pending():
     assert store.nbytes() == without + 5 * B * D * 4 and without >= base
     assert store.side_names() == (SIDE,) and compute.sizes == []  # naming the fields computes nothing
     side = store.dense().extras[SIDE]
-    assert compute.sizes == [5]
+    assert compute.sizes == [1] * 5
     expected = torch.arange(5.0)[None, None, :] * D * torch.arange(1.0, H + 1)[None, :, None]
     assert torch.equal(side[:, :, 3:], expected.expand(B, H, 5))
     assert torch.equal(side[:, :, :3], torch.zeros(B, H, 3)) and store.deferred_nbytes() == 0
     store.append(*torch.randn(2, B, H, 1, D).unbind(0), 8, None)
     store.defer_to_appended(SIDE, torch.ones(B, 1, D), compute)
     store.append(*torch.randn(2, B, H, 2, D).unbind(0), 9, None)  # a prompt's two entries: the step's value first
-    assert compute.sizes == [5, 1]
+    assert compute.sizes == [1] * 6
     assert torch.equal(store.dense().extras[SIDE][:, :, 8], (float(D) * torch.arange(1.0, H + 1)).expand(B, H))
 
 
@@ -161,12 +163,14 @@ def monkeypatch_growth(monkeypatch):
 
 
 def _eager_observe(monkeypatch) -> None:
-    """Every step's gates computed at once (what the scorer did before deferring)."""
+    """Every step's gates computed at once (what the scorer did before deferring), every step the general one (the
+    plain step defers)."""
     def observe(self, step):
         gate = retention.LayerGate(self._gates(), step.layer_idx, step.kv_heads)
         return {retention.LOG_BETA: AppendedUpdate(gate(step.inputs()))}
 
     monkeypatch.setattr(retention.RetentionGate, "observe", observe)
+    monkeypatch.setattr(Engine, "_plain_decoding_step", lambda self, *args: None)
 
 
 @pytest.mark.parametrize(("policy", "params"), [
@@ -188,6 +192,7 @@ def test_gates_deferred_decode_as_gates_computed_at_every_step(policy, params, m
         return original(self, inputs)
 
     runs = {}
+    step_calls: dict[str, list[int]] = {"deferred": [], "eager": []}  # the gates' calls per decoding step
     for mode in ("deferred", "eager"):
         with monkeypatch.context() as patch:
             if mode == "eager":
@@ -199,17 +204,24 @@ def test_gates_deferred_decode_as_gates_computed_at_every_step(policy, params, m
             token = out.logits[:, -1:].argmax(-1)
             for step in range(24):
                 attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+                before = len(batch_calls)
                 out = model(token, attention_mask=attention, **cache_kwargs(model, cache))
+                step_calls[mode].append(len(batch_calls) - before)
                 logits.append(out.logits[:, -1])
                 token = out.logits[:, -1:].argmax(-1)
                 if step == 11:
                     saved = copy.deepcopy(cache)  # a copy carries the pending inputs with it
             runs[mode] = (cache, logits, saved)
-    assert max(batch_calls) > 1  # the deferred run computed several steps' gates at once
+    layers = model.config.num_hidden_layers
+    assert step_calls["eager"] == [layers] * 24
+    if params.get("buffer") == 0:  # a plan at every step: every step's gates computed at it
+        assert step_calls["deferred"] == step_calls["eager"]
+    else:  # no gate computed at most steps, several steps' at a layer's plan
+        assert min(step_calls["deferred"]) == 0 and max(step_calls["deferred"]) > layers
     (deferred, got, copied), (eager, want, copied_eager) = runs["deferred"], runs["eager"]
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for a, b in zip(got, want, strict=True):  # each step's gates computed alone, as the eager step does: the same bits
+        assert torch.equal(a, b)
+    heads = model.config.num_key_value_heads
     for first, second in ((deferred, eager), (copied, copied_eager)):
         assert torch.equal(first.head_lengths(), second.head_lengths())
         for layer in range(layers):
@@ -219,5 +231,4 @@ def test_gates_deferred_decode_as_gates_computed_at_every_step(policy, params, m
             a = first.engine.layers[layer].store.dense()
             b = second.engine.layers[layer].store.dense()
             valid = torch.ones(a.positions.shape, dtype=torch.bool) if a.valid is None else a.valid
-            torch.testing.assert_close(a.extras[retention.LOG_BETA][valid], b.extras[retention.LOG_BETA][valid],
-                                       rtol=0, atol=1e-6)
+            assert torch.equal(a.extras[retention.LOG_BETA][valid], b.extras[retention.LOG_BETA][valid])
