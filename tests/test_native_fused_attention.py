@@ -21,7 +21,7 @@ from kvsieve.native.fused_attention import causal_attention_with_column_sums
 from kvsieve.transformers_adapter import cache_kwargs
 
 TILES = pytest.mark.skipif(not fused_attention.tiles(), reason="no AMX-BF16 tiles in this build")
-VECTORS = pytest.mark.skipif(not fused_attention.vector_code(), reason="no AVX-512 in this build")
+VECTORS = pytest.mark.skipif(not fused_attention.vector_code(), reason="neither AVX-512 nor AVX2 in this build")
 #: Each dtype's pass, and what it needs.
 DTYPES = [pytest.param(torch.bfloat16, marks=TILES, id="bf16"), pytest.param(torch.float32, marks=VECTORS, id="f32")]
 #: The bound on each output element's error over ``|exact| + max|v|``: bfloat16's rounding of the result and of the
@@ -105,6 +105,26 @@ def test_any_float32_shape_matches_the_reference(batch, kv_heads, groups, n, dim
     """The float32 pass (head sizes that are multiples of 16) likewise."""
     query, keys, values = _inputs(batch, kv_heads, groups, n, dim, seed, spread, strided, torch.float32)
     _check(query, keys, values, dim**-0.5)
+
+
+@VECTORS
+@pytest.mark.parametrize("spread", [30.0, 300.0])
+def test_sharp_float32_attention_whose_probabilities_underflow(spread):
+    """Queries scaled so that most logits lie hundreds below their row's maximum: the exponentials of 2^x with x far
+    below -126 must come out 0 (the AVX2 pass sets 2^n in the exponent's bits, clamped), not garbage."""
+    query, keys, values = _inputs(1, 2, 2, 150, 64, seed=3, spread=spread, dtype=torch.float32)
+    output, logsumexp, sums = causal_attention_with_column_sums(query, keys, values, 0.125)
+    keys64, values64 = keys.double().repeat_interleave(2, dim=1), values.double().repeat_interleave(2, dim=1)
+    logits = (query.double() @ keys64.transpose(-1, -2) * 0.125).tril()
+    rounding = logits.abs().max() * 2.0**-23  # a float32 logit's rounding: each probability's relative error
+    logits = logits.masked_fill(torch.ones(150, 150, dtype=torch.bool).triu(1), float("-inf"))
+    assert (torch.exp(logits - logits.amax(-1, keepdim=True)) < 2.0**-126).double().mean() > 0.5  # most underflow
+    probs = logits.softmax(-1)
+    exact = (probs @ values64).transpose(1, 2)
+    scale = exact.abs() + values64.abs().amax(dim=(2, 3))[:, None, :, None]
+    assert ((output.double() - exact).abs() <= rounding * scale).all()
+    torch.testing.assert_close(logsumexp.double(), logits.logsumexp(-1), rtol=1e-5, atol=0)
+    assert ((sums.double() - probs.sum(dim=2)).abs() <= 2 * rounding).all()
 
 
 @TILES

@@ -31,7 +31,10 @@
  *
  * kvsieve_causal_attention_with_column_sums_f32 is the same pass for float32 prompts with AVX-512 fused
  * multiply-adds in place of the tiles (four queries x 64 keys, then four queries x 64 dimensions, in registers), the
- * probabilities kept in float32 for P.V: its output within float32 rounding of the exact attention.
+ * probabilities kept in float32 for P.V: its output within float32 rounding of the exact attention. A build without
+ * AVX-512 but with AVX2 and FMA (an AVX2-only CPU) takes it on eight lanes (four queries x 16 keys, then four queries
+ * x 16 dimensions; 2^x's 2^n set in the exponent bits, so an exponent below -127 gives 0 where AVX-512's scalef gives a
+ * subnormal): the same products and sums, in another grouping.
  *
  * Both entry points check their arguments and hand a Call to run_pass with their Pass (TILES or VECTORS): the packing
  * of the keys and values, the unit and the per-thread set-up, the only things that differ. run_pass holds the
@@ -48,6 +51,13 @@
 #else
 #define KVSIEVE_AVX512 0
 #endif
+#if !KVSIEVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSIEVE_AVX2 1
+#else
+#define KVSIEVE_AVX2 0
+#endif
+#define KVSIEVE_VECTORS (KVSIEVE_AVX512 || KVSIEVE_AVX2) /* the float32 pass's vector code */
 #if KVSIEVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -74,9 +84,10 @@ int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 /* Whether the build has the AMX tiles this pass needs. */
 int kvsieve_fused_attention_tiles(void) { return KVSIEVE_AMX; }
 
-/* Whether the build has the AVX-512 the float32 pass needs. */
-int kvsieve_fused_attention_vector_code(void) { return KVSIEVE_AVX512; }
+/* Whether the build has the vector code the float32 pass needs: AVX-512, or AVX2 and FMA. */
+int kvsieve_fused_attention_vector_code(void) { return KVSIEVE_VECTORS; }
 
+#if KVSIEVE_VECTORS
 #if KVSIEVE_AVX512
 /* 2^x (statistics.c's polynomial): 2^n by scalef times the degree-6 Taylor polynomial of 2^f, |f| <= 1/2. */
 static inline __m512 exp2_16(__m512 x) {
@@ -139,6 +150,75 @@ static void softmax_rows(float *logits, int64_t stride, uint16_t *probs, int64_t
         lse[r] = maximum * scaling + logf(sum);
     }
 }
+#else /* AVX2 and FMA: the float32 pass only, eight lanes */
+/* 2^x as exp2_16 computes it, 2^n put in the exponent's bits: x below -127 gives 0 (exp2_16 gives a subnormal, below
+ * 2^-126, which no sum of probabilities that includes its maximum's 1 can see). */
+static inline __m256 exp2_8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* The lanes below `count` (clamped to 0 ... 8) all ones, the rest zero: the lanes j0 + l <= t of a query t are
+ * lanes_below(t - j0 + 1). */
+static inline __m256i lanes_below(int64_t count) {
+    const int32_t c = count < 0 ? 0 : count > 8 ? 8 : (int32_t)count;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline float sum_lanes(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float max_lanes(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* softmax_rows (above, AVX-512) on eight lanes for the float32 pass (no bfloat16 probabilities). */
+static void softmax_rows(float *logits, int64_t stride, uint16_t *probs, int64_t narrow, int64_t t0, int64_t rows,
+                         int64_t span, float scaling, float *inverse, float *lse) {
+    (void)probs, (void)narrow;
+    const __m256 scale = _mm256_set1_ps(scaling * LOG2E);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        float *row = logits + r * stride;
+        if (r >= rows) {
+            memset(row, 0, (size_t)span * 4);
+            inverse[r] = 0.0f;
+            continue;
+        }
+        const int64_t t = t0 + r;
+        __m256 most = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j <= t; j += 8)
+            most = _mm256_max_ps(most, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(row + j),
+                                                         _mm256_castsi256_ps(lanes_below(t - j + 1))));
+        const float maximum = max_lanes(most);
+        const __m256 shift = _mm256_set1_ps(maximum * scaling * LOG2E);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < span; j += 8) {
+            const __m256 p = _mm256_and_ps(_mm256_castsi256_ps(lanes_below(t - j + 1)),
+                                           exp2_8(_mm256_fmsub_ps(_mm256_load_ps(row + j), scale, shift)));
+            total = _mm256_add_ps(total, p);
+            _mm256_store_ps(row + j, p);
+        }
+        const float sum = sum_lanes(total);
+        inverse[r] = 1.0f / sum;
+        lse[r] = maximum * scaling + logf(sum);
+    }
+}
+#endif
 
 #ifdef _OPENMP
 typedef omp_lock_t RowLock;
@@ -168,6 +248,7 @@ static void free_row_locks(RowLock *locks, int64_t rows) {
     free(locks);
 }
 
+#if KVSIEVE_AVX512
 /* The unit's share of the sums: each key's probabilities over its queries, each divided by its query's total, added
  * to the row's sums under that row's lock (units of one row run on different threads). */
 static void add_column_sums(const float *probs, int64_t stride, const float *inverse, int64_t rows, int64_t seen_keys,
@@ -188,6 +269,27 @@ static void add_column_sums(const float *probs, int64_t stride, const float *inv
     omp_unset_lock(lock);
 #endif
 }
+#else
+/* add_column_sums (above, AVX-512) on eight lanes. */
+static void add_column_sums(const float *probs, int64_t stride, const float *inverse, int64_t rows, int64_t seen_keys,
+                            float *sums, RowLock *lock) {
+#ifdef _OPENMP
+    omp_set_lock(lock);
+#else
+    (void)lock;
+#endif
+    for (int64_t j = 0; j < seen_keys; j += 8) {
+        __m256 column = _mm256_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r)
+            column = _mm256_fmadd_ps(_mm256_load_ps(probs + r * stride + j), _mm256_set1_ps(inverse[r]), column);
+        const __m256i inside = lanes_below(seen_keys - j);
+        _mm256_maskstore_ps(sums + j, inside, _mm256_add_ps(_mm256_maskload_ps(sums + j, inside), column));
+    }
+#ifdef _OPENMP
+    omp_unset_lock(lock);
+#endif
+}
+#endif
 
 /* One call's tensors: query (batch, kv_heads * groups, n, dim), keys and values (batch, kv_heads, n, dim) with strides
  * in elements (unit stride over dim); out (batch, n, kv_heads * groups, dim) with strides (unit over dim); lse and sums
@@ -474,7 +576,7 @@ int kvsieve_causal_attention_with_column_sums(int64_t batch, int64_t kv_heads, i
 #endif
 }
 
-#if KVSIEVE_AVX512
+#if KVSIEVE_VECTORS
 /* The float32 pass (no tiles): the keys of one (batch item, KV head) transposed by blocks of 16 (dimension a of key
  * block b's keys at [b][a][0 ... 15], one vector), zero past n up to `padded`. */
 static void transpose_keys(const void *input, int64_t k_row, int64_t n, int64_t padded, int64_t dim, void *output) {
@@ -497,6 +599,7 @@ static void copy_values(const void *input, int64_t v_row, int64_t n, int64_t pad
             packed[j * dim + a] = j < n ? values[j * v_row + a] : 0.0f;
 }
 
+#if KVSIEVE_AVX512
 /* One unit of the float32 pass: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). Logits four
  * queries x four key blocks at a time (sixteen sums in registers, each dimension one load per key block and one
  * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
@@ -587,22 +690,101 @@ static void unit_f32(const void *packed_keys, const void *packed_values, int64_t
     }
     add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
+#else
+/* unit_f32 (above, AVX-512) on eight lanes: logits four queries x one block of 16 keys at a time (eight sums in
+ * registers), the output four queries x 16 dimensions at a time over chunks of VALUE_CHUNK_8 keys. */
+#define VALUE_CHUNK_8 128 /* keys per chunk of P.V: a chunk's values stay in L1 for the four query groups */
+static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
+                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
+    const float *keys = packed_keys, *values = packed_values, *query = input;
+    float *logits = room.logits, *queries = room.queries, *output = room.output, *out = result;
+    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+    memset(queries, 0, (size_t)(ROWS * dim) * 4);
+    for (int64_t r = 0; r < rows; ++r)
+        memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 4);
+    for (int64_t j0 = 0; j0 < span; j0 += KEYS) {
+        const float *k = keys + (j0 / KEYS) * dim * KEYS;
+        for (int64_t r0 = 0; r0 < ROWS; r0 += 4) {
+            const float *q0 = queries + r0 * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+            for (int64_t a = 0; a < dim; ++a) {
+                const __m256 lo = _mm256_load_ps(k + a * KEYS), hi = _mm256_load_ps(k + a * KEYS + 8);
+                __m256 x = _mm256_broadcast_ss(q0 + a);
+                a0 = _mm256_fmadd_ps(x, lo, a0), b0 = _mm256_fmadd_ps(x, hi, b0);
+                x = _mm256_broadcast_ss(q1 + a);
+                a1 = _mm256_fmadd_ps(x, lo, a1), b1 = _mm256_fmadd_ps(x, hi, b1);
+                x = _mm256_broadcast_ss(q2 + a);
+                a2 = _mm256_fmadd_ps(x, lo, a2), b2 = _mm256_fmadd_ps(x, hi, b2);
+                x = _mm256_broadcast_ss(q3 + a);
+                a3 = _mm256_fmadd_ps(x, lo, a3), b3 = _mm256_fmadd_ps(x, hi, b3);
+            }
+            float *l = logits + r0 * stride + j0;
+            _mm256_store_ps(l, a0), _mm256_store_ps(l + 8, b0);
+            _mm256_store_ps(l + stride, a1), _mm256_store_ps(l + stride + 8, b1);
+            _mm256_store_ps(l + 2 * stride, a2), _mm256_store_ps(l + 2 * stride + 8, b2);
+            _mm256_store_ps(l + 3 * stride, a3), _mm256_store_ps(l + 3 * stride + 8, b3);
+        }
+    }
+    float inverse[ROWS];
+    softmax_rows(logits, stride, NULL, 0, t0, rows, span, scaling, inverse, lse);
+    memset(output, 0, (size_t)(ROWS * dim) * 4);
+    const int64_t seen = last + 1;
+    for (int64_t k0 = 0; k0 < seen; k0 += VALUE_CHUNK_8) {
+        const int64_t k1 = seen - k0 < VALUE_CHUNK_8 ? seen : k0 + VALUE_CHUNK_8;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const float *p0 = logits + r0 * stride, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
+            for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+                float *o = output + r0 * dim + d0;
+                __m256 a0 = _mm256_load_ps(o), b0 = _mm256_load_ps(o + 8);
+                __m256 a1 = _mm256_load_ps(o + dim), b1 = _mm256_load_ps(o + dim + 8);
+                __m256 a2 = _mm256_load_ps(o + 2 * dim), b2 = _mm256_load_ps(o + 2 * dim + 8);
+                __m256 a3 = _mm256_load_ps(o + 3 * dim), b3 = _mm256_load_ps(o + 3 * dim + 8);
+                for (int64_t j = k0; j < k1; ++j) {
+                    const float *v = values + j * dim + d0;
+                    const __m256 lo = _mm256_loadu_ps(v), hi = _mm256_loadu_ps(v + 8);
+                    __m256 x = _mm256_broadcast_ss(p0 + j);
+                    a0 = _mm256_fmadd_ps(x, lo, a0), b0 = _mm256_fmadd_ps(x, hi, b0);
+                    x = _mm256_broadcast_ss(p1 + j);
+                    a1 = _mm256_fmadd_ps(x, lo, a1), b1 = _mm256_fmadd_ps(x, hi, b1);
+                    x = _mm256_broadcast_ss(p2 + j);
+                    a2 = _mm256_fmadd_ps(x, lo, a2), b2 = _mm256_fmadd_ps(x, hi, b2);
+                    x = _mm256_broadcast_ss(p3 + j);
+                    a3 = _mm256_fmadd_ps(x, lo, a3), b3 = _mm256_fmadd_ps(x, hi, b3);
+                }
+                _mm256_store_ps(o, a0), _mm256_store_ps(o + 8, b0);
+                _mm256_store_ps(o + dim, a1), _mm256_store_ps(o + dim + 8, b1);
+                _mm256_store_ps(o + 2 * dim, a2), _mm256_store_ps(o + 2 * dim + 8, b2);
+                _mm256_store_ps(o + 3 * dim, a3), _mm256_store_ps(o + 3 * dim + 8, b3);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m256 by = _mm256_set1_ps(inverse[r]);
+        for (int64_t d = 0; d < dim; d += 8)
+            _mm256_storeu_ps(out + (t0 + r) * o_row + d, _mm256_mul_ps(_mm256_load_ps(output + r * dim + d), by));
+    }
+    add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
+}
+#endif
 
 /* The float32 pass: keys transposed by blocks, values as rows, no tiles. */
 static const Pass VECTORS = {4, 0, transpose_keys, copy_values, NULL, NULL, unit_f32};
 #endif
 
-/* kvsieve_causal_attention_with_column_sums for float32 tensors, with AVX-512 fused multiply-adds instead of the tiles
- * (a head size that is a multiple of 16, up to 256): the same arguments, every tensor float32. The probabilities
- * multiply the values in float32 (no rounding to bfloat16), so the output is within float32 rounding of the exact
- * attention. Returns 0, or -1 (no AVX-512 in the build, a head size it does not take, no memory: nothing written). */
+/* kvsieve_causal_attention_with_column_sums for float32 tensors, with AVX-512 (or AVX2) fused multiply-adds instead of
+ * the tiles (a head size that is a multiple of 16, up to 256): the same arguments, every tensor float32. The
+ * probabilities multiply the values in float32 (no rounding to bfloat16), so the output is within float32 rounding of
+ * the exact attention. Returns 0, or -1 (neither AVX-512 nor AVX2 and FMA in the build, a head size it does not take,
+ * no memory: nothing written). */
 int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim,
                                                   int64_t n, const float *query, int64_t q_batch, int64_t q_head,
                                                   int64_t q_row, const float *keys, int64_t k_batch, int64_t k_head,
                                                   int64_t k_row, const float *values, int64_t v_batch, int64_t v_head,
                                                   int64_t v_row, float scaling, float *out, int64_t o_batch,
                                                   int64_t o_row, int64_t o_head, float *lse, float *sums) {
-#if KVSIEVE_AVX512
+#if KVSIEVE_VECTORS
     if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 16 || dim % 16 || dim > MOST_DIM || n < 1)
         return -1;
     const Call call = {batch, kv_heads, groups, dim, n, query, q_batch, q_head, q_row, keys, k_batch, k_head, k_row,

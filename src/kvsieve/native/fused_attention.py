@@ -13,10 +13,11 @@ the sums within float32 rounding of the float64 softmax.
 head size that is not a multiple of 32 or above 256, a CPU or build without AMX-BF16, no built library): the caller
 then takes its other routes.
 
-A float32 prompt takes the same pass with AVX-512 fused multiply-adds instead of the tiles
-(``kvsieve_causal_attention_with_column_sums_f32``; head sizes that are multiples of 16): the probabilities multiply
-the values in float32, so its output is within float32 rounding of the exact attention (SDPA's float32 kernel's is
-too, rounded otherwise).
+A float32 prompt takes the same pass with fused multiply-adds on the vector units instead of the tiles
+(``kvsieve_causal_attention_with_column_sums_f32``; head sizes that are multiples of 16): AVX-512, or on a CPU with
+AVX2 and FMA but no AVX-512 (an AVX2-only CPU) the same pass on eight lanes. The probabilities multiply the values in
+float32, so its output is within float32 rounding of the exact attention (SDPA's float32 kernel's is too, rounded
+otherwise).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ARGUMENTS = (I64, I64, I64, I64, I64, PTR, I64, I64, I64, PTR, I64, I64, I64, PT
 
 
 def vector_code() -> bool:
-    """Whether the float32 pass runs here: built, with AVX-512."""
+    """Whether the float32 pass runs here: built, with AVX-512 or with AVX2 and FMA."""
     probe = build.function("fused_attention", "kvsieve_fused_attention_vector_code", ())
     return probe is not None and bool(probe())
 
