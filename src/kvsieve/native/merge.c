@@ -36,10 +36,11 @@
  * tau (session 29: such ties were most of what sent a layer to the general step — a layer of nearly collinear keys
  * gives redundancies of 0.99999x within 1e-6 of one another, and in float32 a token's duplicates tie at 1 - 1e-15).
  * Where the lowest two scores lie within SCORE_NEAR (relative), or a double redundancy at an edge, the call returns 1
- * after the observation with nothing moved, and the general step plans from the same side data. No vector code beyond what the compiler makes
- * of the loops over a head's entries, except the redundancy, which runs on AVX-512 registers where the build has them (the same products, its lanes summed
- * by the register's reduction: within float32 rounding of the portable loops). The segments are planned on torch's
- * OpenMP threads once there are at least two and PARALLEL_WORK candidates in all.
+ * after the observation with nothing moved, and the general step plans from the same side data. No vector code beyond
+ * what the compiler makes of the loops over a head's entries, except the redundancy, which runs on AVX-512 registers
+ * where the build has them, else on AVX2's eight lanes (the same products, its lanes summed by the register's
+ * reduction: within float32 rounding of the portable loops). The segments are planned on torch's OpenMP threads once
+ * there are at least two and PARALLEL_WORK candidates in all.
  */
 #include <math.h>
 #include <stdint.h>
@@ -231,6 +232,68 @@ static float redundancy(const void *keys, const void *values, int kind, int64_t 
     }
     float key_dot = _mm512_reduce_add_ps(kd), key_sq = _mm512_reduce_add_ps(ks);
     float value_dot = _mm512_reduce_add_ps(vd), value_sq = _mm512_reduce_add_ps(vs);
+    for (; f < half; ++f) { /* the tails */
+        const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
+        const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
+        key_dot += x1 * unit_key[f] + x2 * unit_key[half + f];
+        key_sq += x1 * x1 + x2 * x2;
+    }
+    for (int64_t d = 2 * half; d < dim; ++d) {
+        const float k = load(keys, kind, start + d);
+        key_dot += k * unit_key[d];
+        key_sq += k * k;
+    }
+    for (; e < dim; ++e) {
+        const float v = load(values, kind, start + e);
+        value_dot += v * unit_value[e];
+        value_sq += v * v;
+    }
+    float key_norm = sqrtf(key_sq), value_norm = sqrtf(value_sq);
+    key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
+    value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
+    return (key_dot / key_norm) * (value_dot / value_norm);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 stored elements from `index` on as float32 (load16 on eight lanes). */
+static inline __m256 load8(const void *base, int kind, int64_t index) {
+    if (kind == KIND_FLOAT32)
+        return _mm256_loadu_ps((const float *)base + index);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+static inline float sum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* redundancy (above, AVX-512) on eight lanes, for an AVX2-only CPU: the same products, summed in another grouping
+ * (within float32 rounding of the portable loops, which the compiler keeps scalar: ~150 ns per centre). */
+static float redundancy(const void *keys, const void *values, int kind, int64_t row, int64_t dim, int64_t position,
+                        const Rotary *rope, const float *unit_key, const float *unit_value) {
+    const float *cos = rope->cos + position * rope->half, *sin = rope->sin + position * rope->half;
+    const int64_t half = rope->half, start = row * dim;
+    __m256 kd = _mm256_setzero_ps(), ks = kd, vd = kd, vs = kd;
+    int64_t f = 0;
+    for (; f + 8 <= half; f += 8) {
+        const __m256 c = _mm256_loadu_ps(cos + f), s = _mm256_loadu_ps(sin + f);
+        const __m256 y1 = load8(keys, kind, start + f), y2 = load8(keys, kind, start + half + f);
+        const __m256 x1 = _mm256_add_ps(_mm256_mul_ps(y1, c), _mm256_mul_ps(y2, s));
+        const __m256 x2 = _mm256_sub_ps(_mm256_mul_ps(y2, c), _mm256_mul_ps(y1, s));
+        kd = _mm256_add_ps(kd, _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(unit_key + f)),
+                                             _mm256_mul_ps(x2, _mm256_loadu_ps(unit_key + half + f))));
+        ks = _mm256_add_ps(ks, _mm256_add_ps(_mm256_mul_ps(x1, x1), _mm256_mul_ps(x2, x2)));
+    }
+    int64_t e = 0;
+    for (; e + 8 <= dim; e += 8) {
+        const __m256 v = load8(values, kind, start + e), u = _mm256_loadu_ps(unit_value + e);
+        vd = _mm256_add_ps(vd, _mm256_mul_ps(v, u));
+        vs = _mm256_add_ps(vs, _mm256_mul_ps(v, v));
+    }
+    float key_dot = sum8(kd), key_sq = sum8(ks), value_dot = sum8(vd), value_sq = sum8(vs);
     for (; f < half; ++f) { /* the tails */
         const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
         const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
