@@ -1,7 +1,7 @@
-"""Column sums from the flash kernel's log-sum-exp (``kvsieve.attention.flash_statistics``): a bfloat16/float16 causal
-prompt on the CPU gets SDPA's output bit for bit and the softmax pass's column sums within float32 rounding; every
-other case is left to the softmax pass; in a model, ``fuse_statistics=True`` then leaves the prompt's logits exactly
-those of the unfused prefill."""
+"""Column sums from the flash kernel's log-sum-exp (``kvsieve.attention.flash_statistics``): a bfloat16, float16 or
+float32 causal prompt on the CPU gets SDPA's output bit for bit and the softmax pass's column sums within float32
+rounding; every other case is left to the softmax pass; in a model, ``fuse_statistics=True`` then leaves the prompt's
+logits exactly those of the unfused prefill."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvsieve.attention.flash_statistics import flash_attention_and_column_sums
 from kvsieve.attention.kernel import AttentionForm, Visibility, column_sums
 from kvsieve.engine.engine import Engine
 from kvsieve.native import column_sums as column_sums_native
+from kvsieve.native import fused_attention
 from kvsieve.native.column_sums import causal_column_sums
 from kvsieve.transformers_adapter import cache_kwargs
 
@@ -34,16 +35,18 @@ def _inputs(q_heads: int, kv_heads: int, n: int, dtype: torch.dtype, seed: int =
 def _native_sums(query, keys, logsumexp, scaling):
     """The C pass's sums (``kvsieve.native.column_sums``), checked to be taken where it runs."""
     sums = causal_column_sums(query, keys, logsumexp, scaling)
-    assert (sums is not None) == (query.dtype == torch.bfloat16 and column_sums_native.bf16_dot())
+    runs = {torch.bfloat16: column_sums_native.bf16_dot(), torch.float32: fused_attention.vector_code()}
+    assert (sums is not None) == runs.get(query.dtype, False)
     return sums
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(9, 3), (4, 4)])
 @pytest.mark.parametrize("native", [False, True], ids=["pytorch-sums", "native-sums"])
 def test_output_is_sdpas_and_sums_are_the_softmax_passs(dtype, q_heads, kv_heads, native):
-    """The sums from the PyTorch blocks, or from the CPU's bfloat16 dot products where it has them (``native``;
-    float16 and CPUs without AVX512-BF16 take the PyTorch blocks): both within the same bound of a float64 reference."""
+    """The sums from the PyTorch blocks, or from the CPU's C pass where it has one (``native``: bfloat16 dot products
+    with AVX512-BF16, float32 with AVX-512 or AVX2; float16 takes the PyTorch blocks): both within the same bound of a
+    float64 reference. A float32 prompt's output is SDPA's too, bit for bit."""
     n = 200  # several query blocks (at most 64 rows each)
     query, keys, values, visibility = _inputs(q_heads, kv_heads, n, dtype)
     result = flash_attention_and_column_sums(query, keys, values, visibility, AttentionForm(SCALE), None, None,
@@ -73,7 +76,8 @@ def test_every_other_case_is_left_to_the_softmax_pass():
         return flash_attention_and_column_sums(query, keys, values, visibility, form, weight, bias) is None
 
     assert not declines()
-    assert declines(query=query.float(), keys=keys.float(), values=values.float())  # float32: the softmax pass
+    assert not declines(query=query.float(), keys=keys.float(), values=values.float())  # float32 too (session 31)
+    assert declines(query=query.double(), keys=keys.double(), values=values.double())  # float64: the softmax pass
     assert declines(visibility=Visibility(0, positions, torch.ones(2, 3, 48, dtype=torch.bool)))  # padding
     assert declines(visibility=Visibility(0, positions, None, 16))  # a sliding window
     assert declines(visibility=Visibility(5, positions))  # a continued prompt: its queries start later
@@ -117,13 +121,14 @@ def test_fused_bf16_prefill_keeps_the_unfused_logits_and_entries(arch, monkeypat
     assert runs[0][1] == runs[1][1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", [arch for arch in ALL_ARCHS if arch not in EAGER_ARCHS])
 @pytest.mark.parametrize("policy", ["h2o", "ems"])
-def test_default_bf16_prefill_takes_the_route_with_the_same_logits(arch, policy, monkeypatch):
-    """Without ``fuse_statistics`` a bfloat16 prompt that evicts on column sums takes this route too, since its output
-    is SDPA's: the prompt's logits equal, bit for bit, those with the route off (SDPA, then the softmax pass for the
-    sums), on every architecture SDPA serves, and the same entries are kept."""
-    model = build_model(arch).to(torch.bfloat16)
+def test_default_prefill_takes_the_route_with_the_same_logits(arch, policy, dtype, monkeypatch):
+    """Without ``fuse_statistics`` a bfloat16 or float32 prompt that evicts on column sums takes this route too, since
+    its output is SDPA's: the prompt's logits equal, bit for bit, those with the route off (SDPA, then the softmax
+    pass for the sums), on every architecture SDPA serves, and the same entries are kept."""
+    model = build_model(arch).to(dtype)
     ids = prompt(2, 90, seed=5)
     runs, taken = [], []
     original = Engine._flash_statistics

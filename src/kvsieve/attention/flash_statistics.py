@@ -8,12 +8,15 @@ again: ``A[t, j] = exp(s·q_t·k_j − lse_t)``, and the column sums are one flo
 and one ``exp`` per block — no row maximum, row sum or division, and no second ``P·V`` (the output is the kernel's).
 This is how the paper of EMS computes its statistic: from the attention kernel's log-sum-exp.
 
-Only where it pays and is exact in form: a causal prompt on an empty store (every query sees the entries up to its
-own position, no padding, no sliding window), plain attention (no soft-capping, no sinks, no bias), bfloat16 or float16
-on the CPU. Elsewhere :func:`flash_attention_and_column_sums` returns None and the caller keeps the blockwise softmax
-pass. The output is the flash kernel's — SDPA's output on the CPU bit for bit (the keys and values repeated per query
-head, as SDPA's grouped-query path does) — and the sums carry that kernel's fast exponential: ~1e-5 relative to the
-float64 sums, against ~1e-6 for the softmax pass (``test_flash_statistics.py``).
+Only where it is exact in form: a causal prompt on an empty store (every query sees the entries up to its own position,
+no padding, no sliding window), plain attention (no soft-capping, no sinks, no bias), bfloat16, float16 or float32 on
+the CPU (float32 since session 31: SDPA's CPU kernel for a float32 causal prompt is this flash kernel too, so its output
+is SDPA's bit for bit, and the sums — one ``q·k`` product and one ``exp`` per probability, in C where
+:mod:`kvsieve.native.column_sums` runs — cost less than the softmax pass's). Elsewhere
+:func:`flash_attention_and_column_sums` returns None and the caller keeps the blockwise softmax pass. The output is the
+flash kernel's — SDPA's output on the CPU bit for bit (the keys and values repeated per query head, as SDPA's
+grouped-query path does) — and the sums carry that kernel's fast exponential: ~1e-5 relative to the float64 sums,
+against ~1e-6 for the softmax pass (``test_flash_statistics.py``).
 
 :func:`fused_attention_and_column_sums` takes the same prompts, float32 ones too, to a kernel the caller passes that
 computes the output and the sums from one set of exponentials (the CPU's C pass, :mod:`kvsieve.native.fused_attention`:
@@ -45,8 +48,8 @@ def flash_attention_and_column_sums(
     """The output ``(batch, q, q_heads, d)`` and the column sums ``(batch, q_heads, n)`` of a causal prompt over its own
     entries, from the flash kernel's output and log-sum-exp; None where this route does not apply (see the module).
     ``faster_sums(query, keys, logsumexp, scaling)``, tried first for the sums, may return None for the PyTorch blocks
-    (the CPU's C pass with bfloat16 dot products, :mod:`kvsieve.native.column_sums`, which this layer does not
-    import)."""
+    (the CPU's C pass with bfloat16 dot products or float32 fused multiply-adds, :mod:`kvsieve.native.column_sums`,
+    which this layer does not import)."""
     form = as_form(form)
     batch, q_heads, q_len, _ = query.shape
     kv_heads = keys.shape[1]
@@ -71,7 +74,7 @@ def flash_attention_and_column_sums(
 
 def plain_causal_prompt(query: torch.Tensor, keys: torch.Tensor, visibility: object, form: AttentionForm,
                         query_weight: torch.Tensor | None, bias: torch.Tensor | None,
-                        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> bool:
+                        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)) -> bool:
     """Whether this forward is what the flash routes take: a causal prompt of at least two queries in one of
     ``dtypes`` on the CPU over its own entries only (an empty store before it), no padding, no sliding window, no
     soft-capping, sinks, bias or query weights."""
@@ -88,14 +91,12 @@ def fused_attention_and_column_sums(
                      tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The output ``(batch, q, q_heads, d)`` and column sums ``(batch, q_heads, n)`` of the same prompts as
-    :func:`flash_attention_and_column_sums`, float32 ones too, from ``kernel(query, keys, values, scaling)`` — one
-    pass computing both,
-    whose output is its own, not SDPA's (the CPU's AMX pass, :mod:`kvsieve.native.fused_attention`, which this layer
+    :func:`flash_attention_and_column_sums` from ``kernel(query, keys, values, scaling)`` — one pass computing both,
+    whose output is its own, not SDPA's (the CPU's C pass, :mod:`kvsieve.native.fused_attention`, which this layer
     does not import; it returns ``(output, logsumexp, sums)`` or None). None where this route does not apply or the
     kernel declines."""
     form = as_form(form)
-    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias,
-                               (torch.bfloat16, torch.float16, torch.float32)):
+    if not plain_causal_prompt(query, keys, visibility, form, query_weight, bias):
         return None
     result = kernel(query, keys, values, form.scaling)
     if result is None:

@@ -296,12 +296,12 @@ class LayerStep:
         """The attention output ``(batch, q, q_heads, d)`` of this forward's queries over the dense view, from
         the same blockwise pass as :meth:`all_column_sums` (memoised here, bit-identical to computing it
         alone): one ``q·k`` pass instead of SDPA followed by a second one for the statistic. A bfloat16 causal
-        prompt on a CPU with AMX tiles, or a float32 one on a CPU with AVX-512, takes the C pass that computes both
-        from one set of exponentials (:meth:`native_output_with_column_sums`); elsewhere a bfloat16/float16 causal
-        prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its log-sum-exp
-        (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast exponential, ~1e-5
-        relative), a bfloat16 one from the CPU's bfloat16 dot products where it has them
-        (:mod:`kvsieve.native.column_sums`, AVX512-BF16)."""
+        prompt on a CPU with AMX tiles, or a float32 one on a CPU with AVX-512 or AVX2, takes the C pass that computes
+        both from one set of exponentials (:meth:`native_output_with_column_sums`); elsewhere a bfloat16, float16 or
+        float32 causal prompt on the CPU takes the flash kernel's output (SDPA's, bit for bit) and the sums from its
+        log-sum-exp (:mod:`kvsieve.attention.flash_statistics`; the sums then carry that kernel's fast exponential,
+        ~1e-5 relative), from the CPU's bfloat16 dot products or float32 vector code where it has them
+        (:mod:`kvsieve.native.column_sums`)."""
         self._require(COLUMN_SUMS)  # refused before any work
         output = self.native_output_with_column_sums()
         if output is None:
@@ -313,15 +313,15 @@ class LayerStep:
     def native_output_with_column_sums(self) -> torch.Tensor | None:
         """:meth:`output_with_column_sums` from the CPU's C pass, which takes each exponential once for the output and
         the sums (memoised; :mod:`kvsieve.native.fused_attention`): the same prompts as the flash route, bfloat16 on
-        AMX tiles (head sizes that are multiples of 32) or float32 with AVX-512 (multiples of 16). Its output is within
-        bfloat16 (float32) rounding of SDPA's, not SDPA's, so only under ``fuse_statistics=True``; None elsewhere
-        (nothing computed)."""
+        AMX tiles (head sizes that are multiples of 32) or float32 with AVX-512 or AVX2 (multiples of 16). Its output
+        is within bfloat16 (float32) rounding of SDPA's, not SDPA's, so only under ``fuse_statistics=True``; None
+        elsewhere (nothing computed)."""
         return self._prompt_route(fused_attention_and_column_sums, causal_attention_with_column_sums)
 
     def flash_output_with_column_sums(self) -> torch.Tensor | None:
         """:meth:`output_with_column_sums` where it is the flash kernel's output — SDPA's own on the CPU, bit for bit —
-        with the sums from its log-sum-exp (memoised); None elsewhere (nothing computed): a bfloat16/float16 causal
-        first prompt on the CPU, no padding, no sliding window, no soft-capping, sinks or bias."""
+        with the sums from its log-sum-exp (memoised); None elsewhere (nothing computed): a bfloat16, float16 or
+        float32 causal first prompt on the CPU, no padding, no sliding window, no soft-capping, sinks or bias."""
         return self._prompt_route(flash_attention_and_column_sums, causal_column_sums)
 
     def _prompt_route(self, route: Callable[..., tuple[torch.Tensor, torch.Tensor] | None], kernel: Callable[..., Any]

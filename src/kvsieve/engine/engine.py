@@ -438,13 +438,13 @@ class Engine:
 
         Opt-in (``fuse_statistics=True``): the output then differs from SDPA's — and so the prompt's later
         layers and logits from plain transformers' — by float rounding, where the default keeps them bit for
-        bit (except a bf16/fp16 causal first prompt, whose output is the flash kernel's, SDPA's own:
+        bit (except a causal first prompt, whose output is the flash kernel's, SDPA's own:
         :mod:`kvsieve.attention.flash_statistics`; on a CPU with AMX tiles a bf16 causal first prompt — with
-        AVX-512 a float32 one — takes :mod:`kvsieve.native.fused_attention` instead, the output within bf16 (float32)
-        rounding of SDPA's and each exponential taken once). Only for a managed layer whose scorer needs column sums, on
-        more than one query, over the held entries as they are (no action that expands merged centres), on the
-        CPU, and when this layer can evict now (more entries than its budget, or a ratio): with nothing to
-        evict the output stays SDPA's.
+        AVX-512 or AVX2 a float32 one — takes :mod:`kvsieve.native.fused_attention` instead, the output within bf16
+        (float32) rounding of SDPA's and each exponential taken once). Only for a managed layer whose scorer needs
+        column sums, on more than one query, over the held entries as they are (no action that expands merged
+        centres), on the CPU, and when this layer can evict now (more entries than its budget, or a ratio): with
+        nothing to evict the output stays SDPA's.
         Not on a GPU, where SDPA (FlashAttention) followed by the statistics pass is faster than this float32
         PyTorch pass (H200, h2o prefill at 4k: 0.26 s unfused, 0.29 s fused;
         ``benchmarks/results/statistics_prefill_cuda_*.json``).
@@ -457,9 +457,9 @@ class Engine:
         those of the unfused prefill (tested on every architecture) and only the sums' rounding differs (the
         kernel's fast exponential, ~1e-5 relative; :mod:`kvsieve.attention.flash_statistics`). For every managed
         layer whose scorer needs column sums, whatever its budget and action: the route depends only on the prompt,
-        so a shared prefill's followers take the same sums as their own prefills (:meth:`observe_only`). None where
-        it does not apply (float32, padding, a sliding window, soft-capping or sinks, a GPU...): the prompt takes
-        SDPA, and the sums their own pass."""
+        so a shared prefill's followers take the same sums as their own prefills (:meth:`observe_only`). bfloat16,
+        float16 and (since session 31) float32 prompts. None where it does not apply (padding, a sliding window,
+        soft-capping or sinks, a GPU...): the prompt takes SDPA, and the sums their own pass."""
         if COLUMN_SUMS not in self._needs or call.layer.left_alone or step.q_len == 1 \
                 or step.query.device.type != "cpu":
             return None

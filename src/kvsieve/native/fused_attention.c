@@ -346,9 +346,9 @@ static int run_pass(const Pass *pass, const Call *c) {
     const int64_t padded = (n + ROUND - 1) / ROUND * ROUND, heads = c->batch * c->kv_heads;
     const size_t element = pass->element, per_head = (size_t)(padded * dim);
     char *packed_keys = aligned_alloc(64, heads * per_head * element);
-    char *packed_values = aligned_alloc(64, heads * per_head * element);
+    char *packed_values = pass->pack_values ? aligned_alloc(64, heads * per_head * element) : NULL;
     RowLock *locks = row_locks(rows);
-    if (!packed_keys || !packed_values || !locks) {
+    if (!packed_keys || (pass->pack_values && !packed_values) || !locks) {
         free(packed_keys), free(packed_values), free_row_locks(locks, rows);
         return -1;
     }
@@ -364,8 +364,9 @@ static int run_pass(const Pass *pass, const Call *c) {
         const int64_t b = head / c->kv_heads, g = head % c->kv_heads;
         pass->pack_keys(keys + (b * c->k_batch + g * c->k_head) * element, c->k_row, n, padded, dim,
                         packed_keys + head * per_head * element);
-        pass->pack_values(values + (b * c->v_batch + g * c->v_head) * element, c->v_row, n, padded, dim,
-                          packed_values + head * per_head * element);
+        if (pass->pack_values)
+            pass->pack_values(values + (b * c->v_batch + g * c->v_head) * element, c->v_row, n, padded, dim,
+                              packed_values + head * per_head * element);
     }
     Room room = {aligned_alloc(64, (size_t)(ROWS * (padded + KEYS)) * 4),
                  pass->bf16_probabilities ? aligned_alloc(64, (size_t)(ROWS * (padded + 2 * KEYS)) * 2) : NULL,
@@ -383,9 +384,11 @@ static int run_pass(const Pass *pass, const Call *c) {
             continue;
         const int64_t tile = units_per_row - 1 - u / rows, row = u % rows; /* the longest units first */
         const int64_t b = row / q_heads, h = row % q_heads, head = b * c->kv_heads + h / c->groups;
-        pass->unit(packed_keys + head * per_head * element, packed_values + head * per_head * element, dim, n, padded,
+        pass->unit(packed_keys + head * per_head * element,
+                   packed_values ? packed_values + head * per_head * element : NULL, dim, n, padded,
                    query + (b * c->q_batch + h * c->q_head) * element, c->q_row, c->scaling, tile * ROWS, room,
-                   out + (b * c->o_batch + h * c->o_head) * element, c->o_row, c->lse + row * n + tile * ROWS,
+                   out ? out + (b * c->o_batch + h * c->o_head) * element : NULL, c->o_row,
+                   c->lse + row * n + tile * ROWS,
                    c->sums + row * n, locks + row);
     }
     if (pass->leave)
@@ -600,16 +603,11 @@ static void copy_values(const void *input, int64_t v_row, int64_t n, int64_t pad
 }
 
 #if KVSIEVE_AVX512
-/* One unit of the float32 pass: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). Logits four
- * queries x four key blocks at a time (sixteen sums in registers, each dimension one load per key block and one
- * broadcast per query), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
-static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
-                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
-                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
-    const float *keys = packed_keys, *values = packed_values, *query = input;
-    float *logits = room.logits, *queries = room.queries, *output = room.output, *out = result;
-    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
-    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+/* The float32 logits q_t . k_j of queries t0 ... t0 + rows - 1 (rows <= 16; copied to `queries`, zero rows after) over
+ * the keys below span (packed by transpose_keys), row r at logits + r * stride: four queries x four key blocks at a
+ * time (sixteen sums in registers, each dimension one load per key block and one broadcast per query). */
+static void logits_f32(const float *keys, int64_t dim, const float *query, int64_t q_row, int64_t t0, int64_t rows,
+                       int64_t span, int64_t stride, float *queries, float *logits) {
     memset(queries, 0, (size_t)(ROWS * dim) * 4);
     for (int64_t r = 0; r < rows; ++r)
         memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 4);
@@ -638,6 +636,36 @@ static void unit_f32(const void *packed_keys, const void *packed_values, int64_t
                     _mm512_store_ps(logits + (r0 + i) * stride + j0 + b * KEYS, acc[i][b]);
         }
     }
+}
+
+/* Each of the rows' probabilities from its given log-sum-exp, in place: exp(scaling * logit - lse[r]) for the keys
+ * query t0 + r sees, zero past them up to span and in the rows from `rows` to 15. */
+static void probabilities_from_lse(float *logits, int64_t stride, int64_t t0, int64_t rows, int64_t span,
+                                   float scaling, const float *lse) {
+    const __m512 scale = _mm512_set1_ps(scaling * LOG2E);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        float *row = logits + r * stride;
+        if (r >= rows) {
+            memset(row, 0, (size_t)span * 4);
+            continue;
+        }
+        const __m512 shift = _mm512_set1_ps(lse[r] * LOG2E);
+        for (int64_t j = 0; j < span; j += KEYS)
+            _mm512_store_ps(row + j, _mm512_maskz_mov_ps(seen_by(t0 + r, j), exp2_16(_mm512_fmsub_ps(
+                _mm512_load_ps(row + j), scale, shift))));
+    }
+}
+
+/* One unit of the float32 pass: queries t0 ... t0 + 15 (those below n) of one (batch item, query head). Its logits
+ * (logits_f32), the shared softmax, then the output four queries x 64 dimensions at a time over the keys. */
+static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
+                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
+    const float *keys = packed_keys, *values = packed_values, *query = input;
+    float *logits = room.logits, *output = room.output, *out = result;
+    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+    logits_f32(keys, dim, query, q_row, t0, rows, span, stride, room.queries, logits);
     float inverse[ROWS];
     softmax_rows(logits, stride, NULL, 0, t0, rows, span, scaling, inverse, lse);
     /* the output: P . V over chunks of keys (each chunk's values read once from memory, then from the cache for
@@ -691,16 +719,10 @@ static void unit_f32(const void *packed_keys, const void *packed_values, int64_t
     add_column_sums(logits, stride, inverse, rows, last + 1, sums, lock);
 }
 #else
-/* unit_f32 (above, AVX-512) on eight lanes: logits four queries x one block of 16 keys at a time (eight sums in
- * registers), the output four queries x 16 dimensions at a time over chunks of VALUE_CHUNK_8 keys. */
-#define VALUE_CHUNK_8 128 /* keys per chunk of P.V: a chunk's values stay in L1 for the four query groups */
-static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
-                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
-                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
-    const float *keys = packed_keys, *values = packed_values, *query = input;
-    float *logits = room.logits, *queries = room.queries, *output = room.output, *out = result;
-    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
-    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+/* logits_f32 (above, AVX-512) on eight lanes: four queries x one block of 16 keys at a time (eight sums in
+ * registers). */
+static void logits_f32(const float *keys, int64_t dim, const float *query, int64_t q_row, int64_t t0, int64_t rows,
+                       int64_t span, int64_t stride, float *queries, float *logits) {
     memset(queries, 0, (size_t)(ROWS * dim) * 4);
     for (int64_t r = 0; r < rows; ++r)
         memcpy(queries + r * dim, query + (t0 + r) * q_row, (size_t)dim * 4);
@@ -727,6 +749,36 @@ static void unit_f32(const void *packed_keys, const void *packed_values, int64_t
             _mm256_store_ps(l + 3 * stride, a3), _mm256_store_ps(l + 3 * stride + 8, b3);
         }
     }
+}
+
+/* probabilities_from_lse (above, AVX-512) on eight lanes. */
+static void probabilities_from_lse(float *logits, int64_t stride, int64_t t0, int64_t rows, int64_t span,
+                                   float scaling, const float *lse) {
+    const __m256 scale = _mm256_set1_ps(scaling * LOG2E);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        float *row = logits + r * stride;
+        if (r >= rows) {
+            memset(row, 0, (size_t)span * 4);
+            continue;
+        }
+        const __m256 shift = _mm256_set1_ps(lse[r] * LOG2E);
+        for (int64_t j = 0; j < span; j += 8)
+            _mm256_store_ps(row + j, _mm256_and_ps(_mm256_castsi256_ps(lanes_below(t0 + r - j + 1)), exp2_8(
+                _mm256_fmsub_ps(_mm256_load_ps(row + j), scale, shift))));
+    }
+}
+
+/* unit_f32 (above, AVX-512) on eight lanes: its logits (logits_f32), the shared softmax, the output four queries x 16
+ * dimensions at a time over chunks of VALUE_CHUNK_8 keys. */
+#define VALUE_CHUNK_8 128 /* keys per chunk of P.V: a chunk's values stay in L1 for the four query groups */
+static void unit_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                     const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
+                     int64_t o_row, float *lse, float *sums, RowLock *lock) {
+    const float *keys = packed_keys, *values = packed_values, *query = input;
+    float *logits = room.logits, *output = room.output, *out = result;
+    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+    logits_f32(keys, dim, query, q_row, t0, rows, span, stride, room.queries, logits);
     float inverse[ROWS];
     softmax_rows(logits, stride, NULL, 0, t0, rows, span, scaling, inverse, lse);
     memset(output, 0, (size_t)(ROWS * dim) * 4);
@@ -771,6 +823,26 @@ static void unit_f32(const void *packed_keys, const void *packed_values, int64_t
 
 /* The float32 pass: keys transposed by blocks, values as rows, no tiles. */
 static const Pass VECTORS = {4, 0, transpose_keys, copy_values, NULL, NULL, unit_f32};
+
+/* One unit of the float32 column sums from a given log-sum-exp (kvsieve_causal_column_sums_f32): the unit's logits
+ * (logits_f32), its probabilities exp(scaling * logit - lse) (probabilities_from_lse) and their column sums. No
+ * values, no output. */
+static void unit_sums_f32(const void *packed_keys, const void *packed_values, int64_t dim, int64_t n, int64_t padded,
+                          const void *input, int64_t q_row, float scaling, int64_t t0, Room room, void *result,
+                          int64_t o_row, float *lse, float *sums, RowLock *lock) {
+    (void)packed_values, (void)result, (void)o_row;
+    const int64_t rows = n - t0 < ROWS ? n - t0 : ROWS, last = t0 + rows - 1;
+    const int64_t span = (last + 1 + ROUND - 1) / ROUND * ROUND, stride = padded + KEYS;
+    logits_f32(packed_keys, dim, input, q_row, t0, rows, span, stride, room.queries, room.logits);
+    probabilities_from_lse(room.logits, stride, t0, rows, span, scaling, lse);
+    float ones[ROWS];
+    for (int r = 0; r < ROWS; ++r)
+        ones[r] = 1.0f;
+    add_column_sums(room.logits, stride, ones, rows, last + 1, sums, lock);
+}
+
+/* The float32 column sums: keys transposed by blocks, no values. */
+static const Pass SUMS = {4, 0, transpose_keys, NULL, NULL, NULL, unit_sums_f32};
 #endif
 
 /* kvsieve_causal_attention_with_column_sums for float32 tensors, with AVX-512 (or AVX2) fused multiply-adds instead of
@@ -794,6 +866,31 @@ int kvsieve_causal_attention_with_column_sums_f32(int64_t batch, int64_t kv_head
     (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
     (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)values, (void)v_batch, (void)v_head;
     (void)v_row, (void)scaling, (void)out, (void)o_batch, (void)o_row, (void)o_head, (void)lse, (void)sums;
+    return -1;
+#endif
+}
+
+/* The column sums sums[b, h, j] = sum over t >= j of exp(scaling * q_t . k_j - lse[b, h, t]) of a causal float32
+ * prompt, from each query's log-sum-exp given (the flash kernel's, which returned SDPA's output): the float32 pass's
+ * logits and probabilities without the output (no values, no P.V). query (batch, kv_heads * groups, n, dim) and keys
+ * (batch, kv_heads, n, dim) float32 with strides in elements (unit stride over dim); lse float32 (batch, kv_heads *
+ * groups, n), contiguous, read; sums likewise, written. The arguments of statistics.c's kvsieve_causal_column_sums
+ * (bfloat16). Within float32 rounding of the PyTorch path (flash_statistics._column_sums: the products summed in
+ * another order, exp2_16's polynomial). Returns 0, or -1 (no vector code in the build, a head size it does not take,
+ * no memory: nothing to use). */
+int kvsieve_causal_column_sums_f32(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, int64_t n,
+                                   const float *query, int64_t q_batch, int64_t q_head, int64_t q_row,
+                                   const float *keys, int64_t k_batch, int64_t k_head, int64_t k_row, const float *lse,
+                                   float scaling, float *sums) {
+#if KVSIEVE_VECTORS
+    if (batch < 1 || kv_heads < 1 || groups < 1 || dim < 16 || dim % 16 || dim > MOST_DIM || n < 1)
+        return -1;
+    const Call call = {batch, kv_heads, groups, dim, n, query, q_batch, q_head, q_row, keys, k_batch, k_head, k_row,
+                       NULL, 0, 0, 0, scaling, NULL, 0, 0, 0, (float *)lse, sums};
+    return run_pass(&SUMS, &call);
+#else
+    (void)batch, (void)kv_heads, (void)groups, (void)dim, (void)n, (void)query, (void)q_batch, (void)q_head;
+    (void)q_row, (void)keys, (void)k_batch, (void)k_head, (void)k_row, (void)lse, (void)scaling, (void)sums;
     return -1;
 #endif
 }
