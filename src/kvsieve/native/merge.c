@@ -193,6 +193,35 @@ __attribute__((unused)) static float redundancy_scalar(const void *keys, const v
     return (key_dot[0] / key_norm) * (value_dot[0] / value_norm);
 }
 
+/* The vector redundancies' end: the lanes' sums (key dot, key square, value dot, value square) plus the elements
+ * their lanes left — rotary pairs from f, the key's dimensions past the rotary ones, the value's from e — then R. */
+__attribute__((unused)) static float redundancy_tails(const float sums[4], const void *keys, const void *values,
+                                                      int kind, int64_t start, int64_t dim, int64_t f, int64_t e,
+                                                      const float *cos, const float *sin, int64_t half,
+                                                      const float *unit_key, const float *unit_value) {
+    float key_dot = sums[0], key_sq = sums[1], value_dot = sums[2], value_sq = sums[3];
+    for (; f < half; ++f) {
+        const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
+        const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
+        key_dot += x1 * unit_key[f] + x2 * unit_key[half + f];
+        key_sq += x1 * x1 + x2 * x2;
+    }
+    for (int64_t d = 2 * half; d < dim; ++d) {
+        const float k = load(keys, kind, start + d);
+        key_dot += k * unit_key[d];
+        key_sq += k * k;
+    }
+    for (; e < dim; ++e) {
+        const float v = load(values, kind, start + e);
+        value_dot += v * unit_value[e];
+        value_sq += v * v;
+    }
+    float key_norm = sqrtf(key_sq), value_norm = sqrtf(value_sq);
+    key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
+    value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
+    return (key_dot / key_norm) * (value_dot / value_norm);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -230,28 +259,9 @@ static float redundancy(const void *keys, const void *values, int kind, int64_t 
         vd = _mm512_add_ps(vd, _mm512_mul_ps(v, u));
         vs = _mm512_add_ps(vs, _mm512_mul_ps(v, v));
     }
-    float key_dot = _mm512_reduce_add_ps(kd), key_sq = _mm512_reduce_add_ps(ks);
-    float value_dot = _mm512_reduce_add_ps(vd), value_sq = _mm512_reduce_add_ps(vs);
-    for (; f < half; ++f) { /* the tails */
-        const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
-        const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
-        key_dot += x1 * unit_key[f] + x2 * unit_key[half + f];
-        key_sq += x1 * x1 + x2 * x2;
-    }
-    for (int64_t d = 2 * half; d < dim; ++d) {
-        const float k = load(keys, kind, start + d);
-        key_dot += k * unit_key[d];
-        key_sq += k * k;
-    }
-    for (; e < dim; ++e) {
-        const float v = load(values, kind, start + e);
-        value_dot += v * unit_value[e];
-        value_sq += v * v;
-    }
-    float key_norm = sqrtf(key_sq), value_norm = sqrtf(value_sq);
-    key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
-    value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
-    return (key_dot / key_norm) * (value_dot / value_norm);
+    const float sums[4] = {_mm512_reduce_add_ps(kd), _mm512_reduce_add_ps(ks), _mm512_reduce_add_ps(vd),
+                           _mm512_reduce_add_ps(vs)};
+    return redundancy_tails(sums, keys, values, kind, start, dim, f, e, cos, sin, half, unit_key, unit_value);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -293,27 +303,8 @@ static float redundancy(const void *keys, const void *values, int kind, int64_t 
         vd = _mm256_add_ps(vd, _mm256_mul_ps(v, u));
         vs = _mm256_add_ps(vs, _mm256_mul_ps(v, v));
     }
-    float key_dot = sum8(kd), key_sq = sum8(ks), value_dot = sum8(vd), value_sq = sum8(vs);
-    for (; f < half; ++f) { /* the tails */
-        const float c = cos[f], s = sin[f], y1 = load(keys, kind, start + f), y2 = load(keys, kind, start + half + f);
-        const float x1 = y1 * c + y2 * s, x2 = y2 * c - y1 * s;
-        key_dot += x1 * unit_key[f] + x2 * unit_key[half + f];
-        key_sq += x1 * x1 + x2 * x2;
-    }
-    for (int64_t d = 2 * half; d < dim; ++d) {
-        const float k = load(keys, kind, start + d);
-        key_dot += k * unit_key[d];
-        key_sq += k * k;
-    }
-    for (; e < dim; ++e) {
-        const float v = load(values, kind, start + e);
-        value_dot += v * unit_value[e];
-        value_sq += v * v;
-    }
-    float key_norm = sqrtf(key_sq), value_norm = sqrtf(value_sq);
-    key_norm = key_norm > MIN_WEIGHT ? key_norm : MIN_WEIGHT;
-    value_norm = value_norm > MIN_WEIGHT ? value_norm : MIN_WEIGHT;
-    return (key_dot / key_norm) * (value_dot / value_norm);
+    const float sums[4] = {sum8(kd), sum8(ks), sum8(vd), sum8(vs)};
+    return redundancy_tails(sums, keys, values, kind, start, dim, f, e, cos, sin, half, unit_key, unit_value);
 }
 #else
 #define redundancy redundancy_scalar
