@@ -22,7 +22,7 @@ from kvsieve.ops.smoothing import drift_window_mean, ema_weights, top_index_mean
 from kvsieve.parts.scorers import restkv as restkv_scorer
 from kvsieve.transformers_adapter import cache_kwargs
 
-pytestmark = pytest.mark.skipif(not restkv_scores.vector_code(), reason="no AVX-512 in this build")
+pytestmark = pytest.mark.skipif(not restkv_scores.vector_code(), reason="no AVX-512 nor AVX2 and FMA in this build")
 
 
 def _inputs(batch, kv_heads, groups, w, length, dim, dtype, seed, projected=True):

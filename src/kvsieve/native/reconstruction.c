@@ -31,10 +31,12 @@
  *   float32 operand (o_t G, G, and for o_t = sum_j A[t, j] v_j the rows A) as three bfloat16 parts whose sum is within
  *   ~2^-27 of it, the values bfloat16 already, so every product is exact in float32 and only the tiles' float32 sums
  *   round: float32 accuracy (tested against the vector way on the same numbers), four blocks of 16 entries a round;
- * - otherwise on the vector units: blocks of 16 entries, one per lane, each block's values transposed to float32 once,
- *   each of the d dimensions one vector (v G v' from G's upper triangle, o_t G v' for every window query).
- * Vector code needs AVX-512 (-march=native on a CPU with it); elsewhere the function returns -1 and the caller keeps
- * PyTorch.
+ * - otherwise on the vector units: blocks of LANES entries, one per lane, each block's values transposed to float32
+ *   once, each of the d dimensions one vector (v G v' from G's upper triangle, o_t G v' for every window query).
+ * Vector code needs AVX-512 (16 lanes), or AVX2 and FMA (an AVX2-only CPU: 8 lanes, the quickselect's partitions
+ * scalar without a branch); -march=native builds for the CPU's own. Each lane computes its entry's numbers with the
+ * same operations in the same order either way, so the two agree bit for bit. Elsewhere the function returns -1 and
+ * the caller keeps PyTorch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +49,13 @@
 #else
 #define KVSIEVE_AVX512 0
 #endif
+#if !KVSIEVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSIEVE_AVX2 1
+#else
+#define KVSIEVE_AVX2 0
+#endif
+#define KVSIEVE_VECTORS (KVSIEVE_AVX512 || KVSIEVE_AVX2) /* the pass's vector code */
 #if KVSIEVE_AVX512 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
     && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -59,7 +68,11 @@
 #endif
 
 #define KVSIEVE_ABI 1
-#define LANES 16      /* entries per block */
+#if KVSIEVE_AVX2
+#define LANES 8       /* entries per block: a vector's lanes */
+#else
+#define LANES 16      /* entries per block: a vector's lanes */
+#endif
 #define CHUNK 256     /* entries per unit of work */
 #define MOST_DIM 256  /* head size */
 #define MOST_WINDOW 128
@@ -67,10 +80,63 @@
 
 int kvsieve_native_abi(void) { return KVSIEVE_ABI; }
 
-/* Whether the build has the vector code the pass needs (AVX-512). */
-int kvsieve_restkv_vector_code(void) { return KVSIEVE_AVX512; }
+/* Whether the build has the vector code the pass needs: AVX-512, or AVX2 and FMA. */
+int kvsieve_restkv_vector_code(void) { return KVSIEVE_VECTORS; }
 
+#if KVSIEVE_VECTORS
+/* LANES float32 lanes and the few operations the pass takes on them, each lane on its own (so the eight-lane code
+ * computes every entry's numbers as the sixteen-lane code does, bit for bit). */
 #if KVSIEVE_AVX512
+typedef __m512 vec;
+typedef __mmask16 lanemask;
+static inline lanemask lanes_upto(int64_t count) { /* the lanes below count */
+    return (__mmask16)(count >= 16 ? 0xFFFFu : ((1u << count) - 1u));
+}
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vset(float x) { return _mm512_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vsqrt(vec a) { return _mm512_sqrt_ps(a); }
+static inline vec vload(const float *p) { return _mm512_load_ps(p); } /* aligned */
+static inline vec vload_some(lanemask lanes, const float *p) { return _mm512_maskz_loadu_ps(lanes, p); }
+static inline void vstore_some(float *p, lanemask lanes, vec x) { _mm512_mask_storeu_ps(p, lanes, x); }
+static inline __m512i order_keys(vec x) { /* the float's bits, negative numbers' reversed, without a branch */
+    const __m512i bits = _mm512_castps_si512(x);
+    return _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(INT32_MIN)));
+}
+static inline void store_order_keys(uint32_t *out, lanemask lanes, vec x) {
+    _mm512_mask_storeu_epi32(out, lanes, order_keys(x));
+}
+#else
+typedef __m256 vec;
+typedef __m256i lanemask;
+static inline lanemask lanes_upto(int64_t count) { /* the lanes below count: all ones */
+    const int32_t c = count < 0 ? 0 : count > 8 ? 8 : (int32_t)count;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vset(float x) { return _mm256_set1_ps(x); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vsqrt(vec a) { return _mm256_sqrt_ps(a); }
+static inline vec vload(const float *p) { return _mm256_load_ps(p); } /* aligned */
+static inline vec vload_some(lanemask lanes, const float *p) { return _mm256_maskload_ps(p, lanes); }
+static inline void vstore_some(float *p, lanemask lanes, vec x) { _mm256_maskstore_ps(p, lanes, x); }
+static inline void store_order_keys(uint32_t *out, lanemask lanes, vec x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    _mm256_maskstore_epi32((int *)out, lanes, _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi32(bits, 31),
+                                                                                     _mm256_set1_epi32(INT32_MIN))));
+}
+#endif
+
 static inline float value_at(const void *values, int kind, int64_t index) {
     if (kind == 0)
         return ((const float *)values)[index];
@@ -83,65 +149,65 @@ static inline float value_at(const void *values, int kind, int64_t index) {
 /* The values of entries j0 ... j0 + count - 1 (count <= 16) of one (batch item, KV head) as float32, transposed:
  * v[a] holds dimension a of the sixteen entries, one per lane (zero past count). */
 static void transpose_values(const void *values, int kind, int64_t v_row, int64_t dim, int64_t j0, int64_t count,
-                             __m512 *v) {
+                             vec *v) {
     float lanes[MOST_DIM][LANES] __attribute__((aligned(64)));
     for (int64_t l = 0; l < LANES; ++l)
         for (int64_t a = 0; a < dim; ++a)
             lanes[a][l] = l < count ? value_at(values, kind, (j0 + l) * v_row + a) : 0.0f;
     for (int64_t a = 0; a < dim; ++a)
-        v[a] = _mm512_load_ps(lanes[a]);
+        v[a] = vload(lanes[a]);
 }
 
 /* v G v' of the sixteen entries in v (G symmetric, dim x dim) from G's upper triangle, four rows of G at a time:
  * each v[c] read once for the four rows' products (two independent sums per row), so the loads do not bound the
  * fused multiply-adds. */
-static __m512 gram_square(const __m512 *v, const float *gram, int64_t dim) {
-    __m512 square = _mm512_setzero_ps();
+static vec gram_square(const vec *v, const float *gram, int64_t dim) {
+    vec square = vzero();
     int64_t a = 0;
     for (; a + 4 <= dim; a += 4) {
         const float *g0 = gram + a * dim, *g1 = g0 + dim, *g2 = g1 + dim, *g3 = g2 + dim;
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
+        vec s0 = vzero(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
         int64_t c = a + 4;
         for (; c + 2 <= dim; c += 2) {
-            const __m512 x = v[c], y = v[c + 1];
-            s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c]), x, s0);
-            s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c]), x, s1);
-            s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c]), x, s2);
-            s3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c]), x, s3);
-            t0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c + 1]), y, t0);
-            t1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c + 1]), y, t1);
-            t2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c + 1]), y, t2);
-            t3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c + 1]), y, t3);
+            const vec x = v[c], y = v[c + 1];
+            s0 = vfma(vset(g0[c]), x, s0);
+            s1 = vfma(vset(g1[c]), x, s1);
+            s2 = vfma(vset(g2[c]), x, s2);
+            s3 = vfma(vset(g3[c]), x, s3);
+            t0 = vfma(vset(g0[c + 1]), y, t0);
+            t1 = vfma(vset(g1[c + 1]), y, t1);
+            t2 = vfma(vset(g2[c + 1]), y, t2);
+            t3 = vfma(vset(g3[c + 1]), y, t3);
         }
         for (; c < dim; ++c) {
-            s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[c]), v[c], s0);
-            s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[c]), v[c], s1);
-            s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[c]), v[c], s2);
-            s3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[c]), v[c], s3);
+            s0 = vfma(vset(g0[c]), v[c], s0);
+            s1 = vfma(vset(g1[c]), v[c], s1);
+            s2 = vfma(vset(g2[c]), v[c], s2);
+            s3 = vfma(vset(g3[c]), v[c], s3);
         }
         /* the four rows' own corner of the triangle */
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 1]), v[a + 1], s0);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 2]), v[a + 2], s0);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[a + 3]), v[a + 3], s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[a + 2]), v[a + 2], s1);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[a + 3]), v[a + 3], s1);
-        s2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[a + 3]), v[a + 3], s2);
-        const __m512 two = _mm512_set1_ps(2.0f);
-        const __m512 off[4] = {_mm512_add_ps(s0, t0), _mm512_add_ps(s1, t1), _mm512_add_ps(s2, t2),
-                               _mm512_add_ps(s3, t3)};
+        s0 = vfma(vset(g0[a + 1]), v[a + 1], s0);
+        s0 = vfma(vset(g0[a + 2]), v[a + 2], s0);
+        s0 = vfma(vset(g0[a + 3]), v[a + 3], s0);
+        s1 = vfma(vset(g1[a + 2]), v[a + 2], s1);
+        s1 = vfma(vset(g1[a + 3]), v[a + 3], s1);
+        s2 = vfma(vset(g2[a + 3]), v[a + 3], s2);
+        const vec two = vset(2.0f);
+        const vec off[4] = {vadd(s0, t0), vadd(s1, t1), vadd(s2, t2),
+                               vadd(s3, t3)};
         const float diagonal[4] = {g0[a], g1[a + 1], g2[a + 2], g3[a + 3]};
         for (int i = 0; i < 4; ++i) {
-            const __m512 inner = _mm512_fmadd_ps(two, off[i], _mm512_mul_ps(_mm512_set1_ps(diagonal[i]), v[a + i]));
-            square = _mm512_fmadd_ps(v[a + i], inner, square);
+            const vec inner = vfma(two, off[i], vmul(vset(diagonal[i]), v[a + i]));
+            square = vfma(v[a + i], inner, square);
         }
     }
     for (; a < dim; ++a) { /* the last rows (dim not a multiple of 4) */
         const float *g = gram + a * dim;
-        __m512 off = _mm512_setzero_ps();
+        vec off = vzero();
         for (int64_t c = a + 1; c < dim; ++c)
-            off = _mm512_fmadd_ps(_mm512_set1_ps(g[c]), v[c], off);
-        const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(2.0f), off, _mm512_mul_ps(_mm512_set1_ps(g[a]), v[a]));
-        square = _mm512_fmadd_ps(v[a], inner, square);
+            off = vfma(vset(g[c]), v[c], off);
+        const vec inner = vfma(vset(2.0f), off, vmul(vset(g[a]), v[a]));
+        square = vfma(v[a], inner, square);
     }
     return square;
 }
@@ -149,51 +215,49 @@ static __m512 gram_square(const __m512 *v, const float *gram, int64_t dim) {
 /* One window query's indicator of a block's entries (cross: o_t G v' of each; square: v G v'), stored to out (the
  * entries present) as order keys (the float's bits, negative numbers' reversed: unsigned keys in the floats' order),
  * which the top-k reads, and total + weight x it. */
-static inline __m512 query_indicator(__m512 cross, float outputs_sq, __m512 square, const float *attention_row,
-                                     __mmask16 present, float eps, uint32_t *out, float weight, __m512 total) {
+static inline vec query_indicator(vec cross, float outputs_sq, vec square, const float *attention_row,
+                                     lanemask present, float eps, uint32_t *out, float weight, vec total) {
     /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
-    const __m512 sq = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(cross, _mm512_set1_ps(-2.0f)),
-                                                  _mm512_set1_ps(outputs_sq)), square);
-    const __m512 distance = _mm512_sqrt_ps(_mm512_max_ps(sq, _mm512_setzero_ps()));
-    const __m512 attention = _mm512_maskz_loadu_ps(present, attention_row);
-    const __m512 value = _mm512_div_ps(_mm512_mul_ps(distance, attention),
-                                       _mm512_max_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), attention),
-                                                     _mm512_set1_ps(eps)));
-    const __m512i bits = _mm512_castps_si512(value); /* the order key, without a branch */
-    _mm512_mask_storeu_epi32(out, present, _mm512_xor_si512(bits, _mm512_or_si512(_mm512_srai_epi32(bits, 31),
-                                                                                   _mm512_set1_epi32(INT32_MIN))));
-    return _mm512_fmadd_ps(_mm512_set1_ps(weight), value, total);
+    const vec sq = vadd(vadd(vmul(cross, vset(-2.0f)),
+                                                  vset(outputs_sq)), square);
+    const vec distance = vsqrt(vmax(sq, vzero()));
+    const vec attention = vload_some(present, attention_row);
+    const vec value = vdiv(vmul(distance, attention),
+                                       vmax(vsub(vset(1.0f), attention),
+                                                     vset(eps)));
+    store_order_keys(out, present, value);
+    return vfma(vset(weight), value, total);
 }
 
 /* The indicator of one block of entries j0 ... j0 + count - 1 (count <= 16, their values transposed in v) for one
  * (batch item, query head): every window query's row written to indicator[t * prefix + j], the weighted sum to
  * smoothed[j]. */
-static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0, int64_t count, int64_t prefix,
+static void block_indicator(const vec *v, int64_t dim, int64_t w, int64_t j0, int64_t count, int64_t prefix,
                             int64_t length, const float *rows, const float *projected, const float *outputs_sq,
                             const float *gram, const float *weights, float eps, uint32_t *indicator,
                             float *smoothed) {
-    __m512 square = _mm512_setzero_ps(); /* v G v' */
+    vec square = vzero(); /* v G v' */
     if (gram) {
         square = gram_square(v, gram, dim);
     } else {
         for (int64_t a = 0; a < dim; ++a)
-            square = _mm512_fmadd_ps(v[a], v[a], square);
+            square = vfma(v[a], v[a], square);
     }
-    const __mmask16 present = (__mmask16)(count >= LANES ? 0xFFFFu : ((1u << count) - 1u));
-    __m512 total = _mm512_setzero_ps();
+    const lanemask present = lanes_upto(count);
+    vec total = vzero();
     for (int64_t t0 = 0; t0 < w; t0 += 8) {
         const int64_t span = w - t0 < 8 ? w - t0 : 8;
-        __m512 cross[8];
+        vec cross[8];
         for (int i = 0; i < 8; ++i)
-            cross[i] = _mm512_setzero_ps();
+            cross[i] = vzero();
         if (span == 8) {
             for (int64_t a = 0; a < dim; ++a)
                 for (int i = 0; i < 8; ++i)
-                    cross[i] = _mm512_fmadd_ps(_mm512_set1_ps(projected[(t0 + i) * dim + a]), v[a], cross[i]);
+                    cross[i] = vfma(vset(projected[(t0 + i) * dim + a]), v[a], cross[i]);
         } else {
             for (int64_t a = 0; a < dim; ++a)
                 for (int64_t i = 0; i < span; ++i)
-                    cross[i] = _mm512_fmadd_ps(_mm512_set1_ps(projected[(t0 + i) * dim + a]), v[a], cross[i]);
+                    cross[i] = vfma(vset(projected[(t0 + i) * dim + a]), v[a], cross[i]);
         }
         for (int64_t i = 0; i < span; ++i) {
             const int64_t t = t0 + i;
@@ -201,7 +265,7 @@ static void block_indicator(const __m512 *v, int64_t dim, int64_t w, int64_t j0,
                                     indicator + t * prefix + j0, weights[t], total);
         }
     }
-    _mm512_mask_storeu_ps(smoothed + j0, present, total);
+    vstore_some(smoothed + j0, present, total);
 }
 
 
@@ -244,10 +308,10 @@ static inline uint32_t median_of_three(uint32_t a, uint32_t b, uint32_t c) {
     return c < low ? low : c > high ? high : c;
 }
 
-/* The k-th largest of keys[0 ... n - 1] (1 <= k <= n): a quickselect whose partitions run on the vector units (the
- * keys above the pivot compressed to the front of a buffer, those below to its back, its equals counted) down to 32
- * keys, which an insertion sort orders; where 48 rounds of pivots do not get there (keys that do not split), the radix
- * selection (radix_kth). The result is the same key either way. `room` and `other` have room for n keys each. The
+/* The k-th largest of keys[0 ... n - 1] (1 <= k <= n): a quickselect whose partitions run on the vector units with
+ * AVX-512 (the keys above the pivot compressed to the front of a buffer, those below to its back, its equals counted;
+ * with AVX2 a scalar partition without a branch) down to 32 keys, which an insertion sort orders; where 48 rounds of
+ * pivots do not get there (keys that do not split), the radix selection (radix_kth). The result is the same key either way. `room` and `other` have room for n keys each. The
  * radix histogram alone took ~30 us per 4k row: the keys crowd into the bins of a few exponents, so most increments
  * wait on the one before; this takes a few. */
 static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t *room, uint32_t *other) {
@@ -259,8 +323,9 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
             return radix_kth(a, m, want, buffers[round % 2]);
         const uint32_t pivot = median_of_three(a[0], a[m / 2], a[m - 1]);
         uint32_t *out = buffers[round % 2];
-        const __m512i splat = _mm512_set1_epi32((int)pivot);
         int64_t above = 0, below = 0, j = 0;
+#if KVSIEVE_AVX512
+        const __m512i splat = _mm512_set1_epi32((int)pivot);
         for (; j + 16 <= m; j += 16) {
             const __m512i x = _mm512_loadu_si512(a + j);
             const __mmask16 up = _mm512_cmpgt_epu32_mask(x, splat), down = _mm512_cmplt_epu32_mask(x, splat);
@@ -269,11 +334,13 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k, uint32_t
             below += __builtin_popcount(down);
             _mm512_mask_compressstoreu_epi32(out + m - below, down, x);
         }
-        for (; j < m; ++j) {
-            if (a[j] > pivot)
-                out[above++] = a[j];
-            else if (a[j] < pivot)
-                out[m - ++below] = a[j];
+#endif
+        for (; j < m; ++j) { /* without a branch: both stores land in the unfilled middle, one of them counts */
+            const uint32_t x = a[j];
+            out[above] = x;
+            above += x > pivot;
+            out[m - 1 - below] = x;
+            below += x < pivot;
         }
         const int64_t equal = m - above - below;
         if (want <= above) {
@@ -583,7 +650,7 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
                                  const void *values, int kind, int64_t v_batch, int64_t v_head, int64_t v_row,
                                  const float *gram, const float *weights, const int64_t *budgets, float eps,
                                  int smooth, double beta, int64_t base, int rule, float *smoothed, float *per_query) {
-#if KVSIEVE_AVX512
+#if KVSIEVE_VECTORS
     if (batch < 1 || kv_heads < 1 || groups < 1 || w < 1 || w > MOST_WINDOW || dim < 1 || dim > MOST_DIM
             || prefix < 0 || prefix > length || (kind != 0 && kind != 1)
             || (smooth && (!budgets || !(beta > 0.0) || base < 1 || (rule != 0 && rule != 1))))
@@ -656,14 +723,13 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         const float *o = window_out + row * w * dim, *g = gram ? gram + (row % q_heads) * dim * dim : NULL;
         float *p = projected + row * w * dim;
         for (int64_t t = 0; t < w; ++t) {
-            if (g) { /* p[c] = sum over a of o[a] g[a][c], a in order, sixteen c at a time */
-                for (int64_t c0 = 0; c0 < dim; c0 += 16) {
-                    const __mmask16 lanes = (__mmask16)(dim - c0 >= 16 ? 0xFFFFu : (1u << (dim - c0)) - 1u);
-                    __m512 sum = _mm512_setzero_ps();
+            if (g) { /* p[c] = sum over a of o[a] g[a][c], a in order, a vector of c at a time */
+                for (int64_t c0 = 0; c0 < dim; c0 += LANES) {
+                    const lanemask lanes = lanes_upto(dim - c0);
+                    vec sum = vzero();
                     for (int64_t a = 0; a < dim; ++a)
-                        sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(o[t * dim + a]),
-                                                               _mm512_maskz_loadu_ps(lanes, g + a * dim + c0)));
-                    _mm512_mask_storeu_ps(p + t * dim + c0, lanes, sum);
+                        sum = vadd(sum, vmul(vset(o[t * dim + a]), vload_some(lanes, g + a * dim + c0)));
+                    vstore_some(p + t * dim + c0, lanes, sum);
                 }
             } else {
                 memcpy(p + t * dim, o + t * dim, (size_t)dim * 4);
@@ -694,7 +760,7 @@ int kvsieve_restkv_window_scores(int64_t batch, int64_t kv_heads, int64_t groups
         const void *v = kind == 0 ? (const void *)((const float *)values + b * v_batch + g * v_head)
                                   : (const void *)((const uint16_t *)values + b * v_batch + g * v_head);
         const int64_t end = (chunk + 1) * CHUNK < prefix ? (chunk + 1) * CHUNK : prefix;
-        __m512 transposed[MOST_DIM];
+        vec transposed[MOST_DIM];
         for (int64_t j0 = chunk * CHUNK; j0 < end; j0 += LANES) {
             const int64_t count = end - j0 < LANES ? end - j0 : LANES;
 #if KVSIEVE_AMX

@@ -10,7 +10,8 @@ passes and the top-k; the adaptive window's small operations another ~1.2 ms.
 Within float32 rounding of the PyTorch path (the same expansion ``o G oᵀ − 2 o G vᵀ + v G vᵀ``, summed in another
 order); where entries tie at the ``k``-th largest indicator the lowest indices count (``torch.topk`` takes any).
 :func:`window_scores` returns None for anything it does not take (off the CPU, dtypes or shapes other than below, a
-build without AVX-512): the caller then takes the PyTorch path.
+build with neither AVX-512 nor AVX2 and FMA): the caller then takes the PyTorch path. AVX2 takes blocks of eight entries
+where AVX-512 takes sixteen; each entry's numbers are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ MOST_WINDOW, MOST_DIM = 128, 256
 
 
 def vector_code() -> bool:
-    """Whether the pass runs here: built, with AVX-512."""
+    """Whether the pass runs here: built, with AVX-512 or with AVX2 and FMA."""
     probe = build.function("reconstruction", "kvsieve_restkv_vector_code", ())
     return probe is not None and bool(probe())
 
