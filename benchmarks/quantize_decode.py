@@ -281,7 +281,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
     # which of kvsieve's C helpers run here (KVSIEVE_NATIVE=0 or no compiler: PyTorch): the tiers' reads, the
     # attention passes (vector code), the in-place every-step eviction, a bf16 prompt's column sums (AVX512-BF16) and
     # its output with the sums from one pass (AMX tiles for bf16, AVX-512 or AVX2 for float32: fuse_statistics=True),
-    # and ReST-KV's window scores (AVX-512)
+    # and ReST-KV's window scores (AVX-512 or AVX2)
     return {"type": "cpu", **cpu_info(), "native_dequantize": available(),
             "native_tiered_attention": tiered_attention._kernel() is not None,
             "native_vector_code": build.vector_code(), "native_evict_lowest": evict_lowest.available(),
