@@ -165,6 +165,36 @@ def test_keep_copies_exact_entries_and_shrinks_capacity(layout):
         assert p.tolist() == [*(10 + c for c in chosen), 16]
 
 
+def test_decoding_appends_write_their_slots_across_view_windows_and_growths():
+    """A decoding append writes its slot through views made ahead for the next ``SLOT_VIEWS`` slots: over more steps
+    than a window and a growth hold — with a keep between, which moves the entries and the slot — every entry and
+    position is the one appended."""
+    from kvsieve.cache.store_append import SLOT_VIEWS
+
+    store = make_store()
+    keys, values = kv(5, seed=3)
+    store.append(keys, values, 0, None)
+    all_keys, all_values, positions = [keys], [values], list(range(5))
+    for step in range(SLOT_VIEWS + GROWTH + 7):
+        if step == SLOT_VIEWS // 2:  # keep all but the first entry of every segment: new buffers, a lower slot
+            length = len(positions)
+            store.keep(torch.arange(1, length).expand(B * H, length - 1).contiguous(),
+                       torch.full((B * H,), length - 1))
+            all_keys, all_values = [torch.cat(all_keys, 2)[:, :, 1:]], [torch.cat(all_values, 2)[:, :, 1:]]
+            positions = positions[1:]
+        position = 1000 + 3 * step  # not consecutive: each step writes its own
+        k, v = kv(1, seed=100 + step)
+        store.append(k, v, position, None)
+        all_keys.append(k)
+        all_values.append(v)
+        positions.append(position)
+    assert store.is_uniform
+    view = store.dense()
+    assert torch.equal(view.keys, torch.cat(all_keys, 2))
+    assert torch.equal(view.values, torch.cat(all_values, 2))
+    assert torch.equal(view.positions, torch.tensor(positions).expand(B, H, len(positions)))
+
+
 def test_replaced_buffers_are_freed():
     """The uniform store's cached capacity views hold the buffers they view; once a compaction (to a ragged layout
     here, which never reads them) or a growth replaces the buffers, the old ones must be freed — a prompt's

@@ -109,6 +109,10 @@ class StoreLayout:
         self._groups: tuple[list[LengthGroup] | None, int] | None = None
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
+        #: Views of the next decoding slots of those (``StoreAppend._slot_views``): the capacity views they come from,
+        #: the first slot, and per buffer one view per slot.
+        self._slot_cache: tuple[CapacityViews, int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
+                                tuple[torch.Tensor, ...]] | None = None
         self._merge_buffers: MergeBuffers | None = None  # the EMS pass's checked view (store_compaction)
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
@@ -237,7 +241,7 @@ class StoreLayout:
         self._next_rows = self._next_cols = None
         self._appended = None
         self._groups = None
-        self._capacity_cache = None  # it holds the buffers it views: a replaced buffer must be freed
+        self._capacity_cache = self._slot_cache = None  # they hold the buffers they view: a replaced one must be freed
         self._merge_buffers = None  # likewise
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise
