@@ -84,18 +84,27 @@ class StoreAppend(StoreLayout):
 
     def _slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values and positions of the uniform layout's ``slot`` (``(batch, heads, 1, ...)`` views; ``slot`` below
-        the capacity), taken from views of the next :data:`SLOT_VIEWS` slots made at once: three ``narrow`` calls per
-        layer and decoding step cost ~11 µs on a slow CPU, a tenth of a small model's attention call."""
+        the capacity). From the second decoding append into the same buffers on, taken from views of the next
+        :data:`SLOT_VIEWS` slots made at once: three ``narrow`` calls per layer and decoding step cost ~11 µs on a slow
+        CPU, a tenth of a small model's attention call. The first append into new buffers narrows as before, so a
+        layout replaced at every step (every-step eviction by a gather) makes no views it would not use; one that
+        keeps its buffers (an in-place drop: :meth:`~kvsieve.cache.store_compaction.StoreCompaction._dropped_in_place`)
+        keeps its views."""
         views = self.capacity_views()
         cached = self._slot_cache
-        if cached is None or cached[0] is not views or not cached[1] <= slot < cached[1] + len(cached[2]):
-            count = min(SLOT_VIEWS, views[0].shape[2] - slot)
-            keys4, values4, positions4 = views
-            cached = (views, slot, keys4.narrow(2, slot, count).split(1, 2),
-                      values4.narrow(2, slot, count).split(1, 2), positions4.narrow(2, slot, count).split(1, 2))
-            self._slot_cache = cached
-        at = slot - cached[1]
-        return cached[2][at], cached[3][at], cached[4][at]
+        if cached is not None and cached[0] is views and cached[2] is not None \
+                and cached[1] <= slot < cached[1] + len(cached[2]):
+            at = slot - cached[1]
+            return cached[2][at], cached[3][at], cached[4][at]
+        keys4, values4, positions4 = views
+        if cached is None or cached[0] is not views:  # the first decoding append into these buffers
+            self._slot_cache = (views, slot, None, None, None)
+            return keys4.narrow(2, slot, 1), values4.narrow(2, slot, 1), positions4.narrow(2, slot, 1)
+        count = min(SLOT_VIEWS, keys4.shape[2] - slot)
+        made = (views, slot, keys4.narrow(2, slot, count).split(1, 2), values4.narrow(2, slot, count).split(1, 2),
+                positions4.narrow(2, slot, count).split(1, 2))
+        self._slot_cache = made
+        return made[2][0], made[3][0], made[4][0]
 
     def _grow_uniform(self, capacity: int) -> None:
         assert self._uniform is not None

@@ -286,9 +286,10 @@ class StoreCompaction(StoreLayout):
             return dropped
         assert self._uniform is not None
         length, cap = self._uniform
-        capacity_views, merge_buffers = self._capacity_cache, self._merge_buffers  # the same buffers: they stay
+        # the same buffers: their views stay
+        capacity_views, merge_buffers, slots = self._capacity_cache, self._merge_buffers, self._slot_cache
         self._set_uniform(length - 1, cap)
-        self._capacity_cache, self._merge_buffers = capacity_views, merge_buffers
+        self._capacity_cache, self._merge_buffers, self._slot_cache = capacity_views, merge_buffers, slots
         self._layout_changed()
         return True
 

@@ -110,9 +110,9 @@ class StoreLayout:
         #: The uniform buffers viewed ``(batch, heads, capacity, ...)``, with the buffers and capacity they view.
         self._capacity_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, CapacityViews] | None = None
         #: Views of the next decoding slots of those (``StoreAppend._slot_views``): the capacity views they come from,
-        #: the first slot, and per buffer one view per slot.
-        self._slot_cache: tuple[CapacityViews, int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
-                                tuple[torch.Tensor, ...]] | None = None
+        #: the first slot, and per buffer one view per slot (None: one append made none yet).
+        self._slot_cache: tuple[CapacityViews, int, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None,
+                                tuple[torch.Tensor, ...] | None] | None = None
         self._merge_buffers: MergeBuffers | None = None  # the EMS pass's checked view (store_compaction)
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None

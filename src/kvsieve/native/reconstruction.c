@@ -193,8 +193,7 @@ static vec gram_square(const vec *v, const float *gram, int64_t dim) {
         s1 = vfma(vset(g1[a + 3]), v[a + 3], s1);
         s2 = vfma(vset(g2[a + 3]), v[a + 3], s2);
         const vec two = vset(2.0f);
-        const vec off[4] = {vadd(s0, t0), vadd(s1, t1), vadd(s2, t2),
-                               vadd(s3, t3)};
+        const vec off[4] = {vadd(s0, t0), vadd(s1, t1), vadd(s2, t2), vadd(s3, t3)};
         const float diagonal[4] = {g0[a], g1[a + 1], g2[a + 2], g3[a + 3]};
         for (int i = 0; i < 4; ++i) {
             const vec inner = vfma(two, off[i], vmul(vset(diagonal[i]), v[a + i]));
@@ -216,7 +215,7 @@ static vec gram_square(const vec *v, const float *gram, int64_t dim) {
  * entries present) as order keys (the float's bits, negative numbers' reversed: unsigned keys in the floats' order),
  * which the top-k reads, and total + weight x it. */
 static inline vec query_indicator(vec cross, float outputs_sq, vec square, const float *attention_row,
-                                     lanemask present, float eps, uint32_t *out, float weight, vec total) {
+                                  lanemask present, float eps, uint32_t *out, float weight, vec total) {
     /* as the PyTorch path: (-2 cross + o G o') + v G v', clamped at 0, then the root */
     const vec sq = vadd(vadd(vmul(cross, vset(-2.0f)),
                                                   vset(outputs_sq)), square);
