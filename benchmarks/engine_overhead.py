@@ -83,6 +83,7 @@ from typing import Any
 
 import torch
 
+from kvsieve.result_files import cpu_info
 from kvsieve.transformers_adapter import cache_kwargs
 
 RESULTS = Path(__file__).parent / "results" / "engine_overhead.json"
@@ -118,25 +119,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------------------- machine
-def cpu_info() -> dict[str, Any]:
-    """CPU model name, the bf16-related flags present, and whether bf16 matmuls are native."""
-    name, flags = platform.processor() or platform.machine(), set[str]()
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key == "model name" and value.strip():
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    bf16_flags = sorted(flags & {"amx_bf16", "avx512_bf16"})
-    return {"model_name": name, "bf16_flags": bf16_flags, "bf16_native": bool(bf16_flags),
-            "logical_cpus": os.cpu_count()}
-
-
 def pick_dtype(requested: str | None, bf16_native: bool) -> tuple[torch.dtype, str]:
     """``requested`` if given, else bfloat16 where the CPU has native bf16, else float32; and a note."""
     if requested is not None:

@@ -13,6 +13,7 @@ from kvsieve.bench.runner import FIGURES, BenchConfig, run_bench
 from kvsieve.bench.worker import run_configuration
 from kvsieve.cli import build_parser
 from kvsieve.models.loading import load_model
+from kvsieve.result_files import cpu_info
 
 TINY = BenchConfig(model="tiny-llama", policies=["snapkv"], budget=32, lengths=[64, 96],
                    batches=[1, 2], steps=2, warmup=1, repeats=2)
@@ -27,6 +28,7 @@ def test_quick_mode_writes_well_formed_json(tmp_path: Path, monkeypatch: pytest.
     run_bench(TINY, output=out, progress=False)
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "tiny-llama" and result["meta"]["lengths"] == [64, 96]
+    assert result["meta"]["cpu"] == cpu_info()  # the CPU model, its bf16 support and vector paths
     assert len(result["runs"]) == 2 * 2 * 2 * 2  # repeats × lengths × caches × batches
     assert [(r["repeat"], r["label"]) for r in result["runs"][:8:2]] == [(0, "full"), (0, "snapkv")] * 2
     summary = result["summary"]

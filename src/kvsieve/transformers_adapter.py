@@ -106,9 +106,9 @@ __all__ = [
 ]
 
 #: The transformers versions this adapter was checked against: the oldest supported (pyproject's lower bound,
-#: the matrix's 'oldest' leg), the last with ``past_key_values=`` only, and the newest (the lock's, the
-#: matrix's 'newest' leg). The compatibility-sensitive tests pass on each.
-CHECKED_VERSIONS: tuple[str, ...] = ("5.0.0", "5.23.0", "5.24.0")
+#: the matrix's 'oldest' leg), the last with ``past_key_values=`` only, the first with ``cache=``, and the newest (the
+#: lock's, the matrix's 'newest' leg). The compatibility-sensitive tests pass on each.
+CHECKED_VERSIONS: tuple[str, ...] = ("5.0.0", "5.23.0", "5.24.0", "5.25.0")
 #: The installed version, for result files and error messages.
 VERSION: str = transformers.__version__
 

@@ -26,7 +26,7 @@ from kvsieve.bench.worker import RESULT_MARKER
 from kvsieve.models.loading import DEFAULT_MODEL, parse_dtype, resolve_device
 from kvsieve.models.names import validate_model_name
 from kvsieve.policies.spec import PolicySpec
-from kvsieve.result_files import check_output_file, write_json_atomic
+from kvsieve.result_files import check_output_file, cpu_info, write_json_atomic
 
 FULL = "full"
 #: Figures summarised per (length, batch, cache); each also gets a ``<name>_ratio`` to the full cache.
@@ -162,7 +162,7 @@ def run_bench(config: BenchConfig, output: str | Path | None = None, progress: b
         return {
             "meta": {
                 **asdict(config), "torch": torch.__version__, "python": platform.python_version(),
-                "machine": platform.machine(), "cpu_count": os.cpu_count(),
+                "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": cpu_info(),
                 "full_cache": "transformers DynamicCache",
             },
             "complete": complete,

@@ -13,7 +13,6 @@ import platform
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from kvsieve.eval.niah import format_table, run_niah, summarize
 from kvsieve.eval.tasks.passkey import NiahGrid
 from kvsieve.policies.presets import make_policy
 from kvsieve.policies.spec import parse_policy_spec
-from kvsieve.result_files import check_output_file, write_json_atomic
+from kvsieve.result_files import check_output_file, cpu_info, write_json_atomic
 from kvsieve.transformers_adapter import cache_kwargs
 
 #: Shortest ``--lengths`` accepted: the passkey prompt's fixed parts take ~70 tokens of any common tokenizer.
@@ -42,16 +41,6 @@ def _warm_up(model: Any, caches: list[Any]) -> None:
             token = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             for _ in range(2):
                 token = model(token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_niah_command(args: argparse.Namespace) -> int:
@@ -97,7 +86,7 @@ def run_niah_command(args: argparse.Namespace) -> int:
             "policies": {name: str(policy) for name, policy in built.items()},
             "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
             "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "cpu": _cpu_model(), "wall_s": wall_s, "cpu_s": cpu_s,
+            "threads": torch.get_num_threads(), "cpu": cpu_info(), "wall_s": wall_s, "cpu_s": cpu_s,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "summary": summarize(records),
             "records": [{k: v for k, v in r.items() if k != "generated_ids"} for r in records],
