@@ -157,12 +157,13 @@ def run_bench(config: BenchConfig, output: str | Path | None = None, progress: b
     plan = _runs_for(config, specs)
     runs: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
+    cpu = cpu_info()  # read once: the JSON is rewritten after every run
 
     def result(complete: bool) -> dict[str, Any]:
         return {
             "meta": {
                 **asdict(config), "torch": torch.__version__, "python": platform.python_version(),
-                "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": cpu_info(),
+                "machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": cpu,
                 "full_cache": "transformers DynamicCache",
             },
             "complete": complete,
