@@ -99,12 +99,12 @@ def test_a_row_that_does_not_compact_keeps_sdpa_bit_for_bit(native, monkeypatch)
     taken: list[bool] = []
     real = decoding_rows.attend
 
-    def spy(*args):
-        out = real(*args)
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(decoding_rows, "attend", spy if native else (lambda *args: None))
+    monkeypatch.setattr(decoding_rows, "attend", spy if native else (lambda *args, **kwargs: None))
     model = build_model("llama")
     rows = [prompt(1, 40, seed=6)[0], prompt(1, 20, seed=7)[0]]
     params = {"budget": 24, "schedule": "decode"}

@@ -65,6 +65,37 @@ def test_the_rows_and_output_are_softmax_attention(batch, heads, rows, dim, leng
         assert bool((probs.view(batch, heads, rows, length)[~valid[:, :, None, :].expand(-1, -1, rows, -1)] == 0).all())
 
 
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), rows=st.sampled_from([1, 3]), length=st.integers(1, 200),
+       spare=st.integers(0, 9), layout=st.sampled_from(["capacity", "contiguous", "heads_first"]),
+       seed=st.integers(0, 99))
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_merge_counts_are_read_in_place_as_their_log(batch, heads, rows, length, spare, layout, seed):
+    """EMS's merge counts, read where a store keeps them (``(batch, heads, capacity)`` side data narrowed to the held
+    entries) or in any other layout, add ``log(max(count, 1))`` to their entries' logits: the rows equal those of the
+    bias :func:`count_bias` computes, to an ulp of the logarithm, and the float64 reference."""
+    from kvsieve.core.step import count_bias
+
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, length, 16, generator=gen)
+    values = torch.randn(batch, heads, length, 16, generator=gen)
+    query = torch.randn(batch, heads * rows, 1, 16, generator=gen) * 2
+    whole = torch.randint(0, 40, (batch, heads, length + spare), generator=gen).float()  # 0: counts once
+    kind = torch.randint(0, 8, whole.shape, generator=gen)  # the pass's table of whole counts, and past it
+    whole = torch.where(kind == 0, whole + 0.25, torch.where(kind == 1, whole + 4090.0, whole))
+    counts = whole.narrow(2, 0, length)  # segments `length + spare` apart, as in a store's side data
+    if layout == "contiguous":
+        counts = counts.contiguous()
+    elif layout == "heads_first":  # not evenly spaced rows: read through a contiguous copy
+        counts = whole.transpose(0, 1).contiguous().transpose(0, 1).narrow(2, 0, length)
+    from_counts = attend(query, 0.25, keys, values, None, counts, counts=True)
+    from_bias = attend(query, 0.25, keys, values, None, count_bias(counts))
+    assert from_counts is not None and from_bias is not None
+    torch.testing.assert_close(from_counts[1], from_bias[1], rtol=3e-6, atol=1e-9)  # a logit an ulp apart
+    torch.testing.assert_close(from_counts[0], from_bias[0], rtol=1e-6, atol=1e-7)
+    expected_probs, _ = _reference(query, 0.25, keys, values, None, counts.clamp(min=1.0).double().log())
+    torch.testing.assert_close(from_counts[1].double(), expected_probs, rtol=1e-5, atol=1e-7)
+
+
 def test_what_it_does_not_take_is_left_to_the_pytorch_path(monkeypatch):
     query, keys = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 5, 16)
     assert attend(query, 0.25, keys, keys, None, None) is not None

@@ -195,6 +195,49 @@ def test_decoding_appends_write_their_slots_across_view_windows_and_growths():
     assert torch.equal(view.positions, torch.tensor(positions).expand(B, H, len(positions)))
 
 
+def test_decoding_appends_start_side_data_at_its_fill_across_view_windows_growths_and_new_sides():
+    """A decoding append starts each side-data field of its slot at the field's fill through views made ahead (as the
+    entries' slots are): over more steps than a window and a growth hold, with an in-place-kept layout, a keep that
+    moves the entries, and a field created midway, every new entry's side data is its fill and every older one keeps
+    what was added to it; the side buffers a growth replaced are freed."""
+    import gc
+    import weakref
+
+    from kvsieve.cache.store_append import SLOT_VIEWS
+
+    store = make_store()
+    store.append(*kv(5, seed=3), 0, None)
+    store.ensure_extra("acc", fill=7.0)
+    expected = {"acc": torch.full((B, H, 5), 7.0)}
+    replaced = None
+    for step in range(SLOT_VIEWS + GROWTH + 9):
+        if step == SLOT_VIEWS // 2:  # a keep: new buffers, a lower slot
+            length = expected["acc"].shape[2]
+            store.keep(torch.arange(1, length).expand(B * H, length - 1).contiguous(),
+                       torch.full((B * H,), length - 1))
+            expected = {name: t[:, :, 1:] for name, t in expected.items()}
+        if step == SLOT_VIEWS // 2 + 3:  # a second field: the views ahead must cover it too
+            store.ensure_extra("count", fill=-2.0)
+            expected["count"] = torch.full((B, H, expected["acc"].shape[2]), -2.0)
+        if step == 3:
+            replaced = weakref.ref(store.extras["acc"])
+        store.append(*kv(1, seed=100 + step), 5 + step, None)
+        fills = {"acc": 7.0, "count": -2.0}
+        for name in expected:
+            expected[name] = torch.cat([expected[name], torch.full((B, H, 1), fills[name])], 2)
+        for name in expected:
+            assert torch.equal(store.dense().extras[name], expected[name]), (step, name)
+        for name in expected:  # something other than the fill on every held entry, as a scorer adds
+            added = torch.randn(B, H, expected[name].shape[2], generator=torch.Generator().manual_seed(step))
+            store.add_dense(name, added)
+            expected[name] = expected[name] + added
+    assert store.is_uniform and set(store.extras) == {"acc", "count"}
+    for name in expected:
+        assert torch.equal(store.dense().extras[name], expected[name])
+    gc.collect()
+    assert replaced is not None and replaced() is None  # the growth's old buffer, viewed ahead, is freed
+
+
 def test_replaced_buffers_are_freed():
     """The uniform store's cached capacity views hold the buffers they view; once a compaction (to a ragged layout
     here, which never reads them) or a growth replaces the buffers, the old ones must be freed — a prompt's

@@ -74,8 +74,12 @@ class StoreAppend(StoreLayout):
             values4.narrow(2, length, q).copy_(values)
             pos = positions4.narrow(2, length, q)
             pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(pos.shape))
-        for name, t in self._extras.items():  # the new slots only: pending deferred values stay pending
-            t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, length, q).fill_(self.side_specs[name].fill)
+        if q == 1:  # the new slot only: pending deferred values stay pending
+            for slot_view, fill in self._side_slot_views(length, cap):
+                slot_view.fill_(fill)
+        else:
+            for name, t in self._extras.items():
+                t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, length, q).fill_(self.side_specs[name].fill)
         self._uniform = (length + q, cap)
         self._appended = (length, q)
         if self.hooks:
@@ -106,6 +110,30 @@ class StoreAppend(StoreLayout):
         self._slot_cache = made
         return made[2][0], made[3][0], made[4][0]
 
+    def _side_slot_views(self, slot: int, cap: int) -> tuple[tuple[torch.Tensor, float], ...]:
+        """Each side-data buffer's view of the uniform layout's decoding ``slot`` ``(batch, heads, 1, ...)`` with the
+        value a new entry starts at, made as :meth:`_slot_views` makes the entries' (issue 22: three operations per
+        side and step, ~8 µs each on a slow CPU, were a tenth of an every-step-evicting layer's own bookkeeping):
+        from the second decoding append into the same side buffers on, from views of the next :data:`SLOT_VIEWS`
+        slots made at once."""
+        sides = tuple(self._extras.values())
+        cached = self._side_slot_cache
+        if cached is not None and cached[0] == cap and len(cached[1]) == len(sides) \
+                and all(a is b for a, b in zip(cached[1], sides, strict=True)):
+            if cached[3] is not None and cached[2] <= slot < cached[2] + len(cached[3]):
+                return cached[3][slot - cached[2]]
+            count = min(SLOT_VIEWS, cap - slot)
+            fills = [self.side_specs[name].fill for name in self._extras]
+            split = [t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, slot, count).split(1, 2)
+                     for t in sides]
+            made = tuple(tuple(zip((views[at] for views in split), fills, strict=True)) for at in range(count))
+            self._side_slot_cache = (cap, sides, slot, made)
+            return made[0]
+        # the first decoding append into these side buffers: a layout replaced at every step makes no views ahead
+        self._side_slot_cache = (cap, sides, slot, None)
+        return tuple((t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, slot, 1), self.side_specs[name].fill)
+                     for name, t in self._extras.items())
+
     def _grow_uniform(self, capacity: int) -> None:
         assert self._uniform is not None
         self.settle_deferred()
@@ -120,7 +148,7 @@ class StoreAppend(StoreLayout):
         self.keys, self.values, self.positions = grow(self.keys), grow(self.values), grow(self.positions)
         self.extras = {name: grow(t) for name, t in self.extras.items()}
         self._uniform = (length, capacity)
-        self._capacity_cache = self._slot_cache = None
+        self._capacity_cache = self._slot_cache = self._side_slot_cache = None
         self._merge_buffers = None
         self._gather_cache = None
         self._segment_lookup = None

@@ -113,6 +113,10 @@ class StoreLayout:
         #: the first slot, and per buffer one view per slot (None: one append made none yet).
         self._slot_cache: tuple[CapacityViews, int, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None,
                                 tuple[torch.Tensor, ...] | None] | None = None
+        #: Views of the next decoding slots of the side-data buffers (``StoreAppend._side_slot_views``): the capacity
+        #: and the buffers they view, the first slot, and per slot each buffer's view with its fill (None: none yet).
+        self._side_slot_cache: tuple[int, tuple[torch.Tensor, ...], int,
+                                     tuple[tuple[tuple[torch.Tensor, float], ...], ...] | None] | None = None
         self._merge_buffers: MergeBuffers | None = None  # the EMS pass's checked view (store_compaction)
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
@@ -241,7 +245,8 @@ class StoreLayout:
         self._next_rows = self._next_cols = None
         self._appended = None
         self._groups = None
-        self._capacity_cache = self._slot_cache = None  # they hold the buffers they view: a replaced one must be freed
+        # they hold the buffers they view: a replaced one must be freed
+        self._capacity_cache = self._slot_cache = self._side_slot_cache = None
         self._merge_buffers = None  # likewise
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise

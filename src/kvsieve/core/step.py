@@ -364,7 +364,9 @@ class LayerStep:
                 and (self.form is None or not self.form.explicit):
             # on the CPU: the output and the rows in one pass over the entries in their dtype (no float32 copies)
             view = self.view
-            fused = decoding_rows.attend(self.query, self.scaling, view.keys, view.values, view.valid, self.bias())
+            counts = view.extras.get(MERGE_COUNT) if MERGE_COUNT in self.store.written_sides else None
+            fused = decoding_rows.attend(self.query, self.scaling, view.keys, view.values, view.valid, counts,
+                                         counts=True)  # log(count) in the pass, as the every-step path takes it
             if fused is not None:
                 output, self._memo[("rows", 1)] = fused
                 return output

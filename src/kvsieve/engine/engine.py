@@ -48,7 +48,7 @@ from kvsieve.engine.deferral import Deferral
 from kvsieve.engine.global_plans import GlobalPlans
 from kvsieve.engine.layer_call import LayerCall, LayerState
 from kvsieve.engine.layer_plans import LayerPlans
-from kvsieve.engine.merge_in_place import MergeInPlace, decoding_bias
+from kvsieve.engine.merge_in_place import MergeInPlace, decoding_counts
 from kvsieve.engine.noop_warning import NoopWarning
 from kvsieve.engine.probe import Probe
 from kvsieve.models.architectures import ModelInfo
@@ -326,8 +326,8 @@ class Engine:
         store.append(new_keys, new_values, seen, None)
         layer.seen = seen + 1
         keys, values = store.held_views()
-        bias = decoding_bias(store) if self._merge is not None else None
-        fused = decoding_rows.attend(query, form.scaling, keys, values, None, bias)
+        counts = decoding_counts(store) if self._merge is not None else None
+        fused = decoding_rows.attend(query, form.scaling, keys, values, None, counts, counts=True)
         dropped = None if fused is None else self._drop_lowest(store, fused[1], candidates, module, layer.layer_idx,
                                                                seen)
         if dropped:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvsieve.cache.store import LayerStore
-from kvsieve.core.step import MERGE_COUNT, count_bias
+from kvsieve.core.step import MERGE_COUNT
 from kvsieve.native.merge_lowest import GlobalLocalStep, RotaryCosSin
 from kvsieve.ops.rope import half_cos_sin, half_cos_sin64, rotary_table
 from kvsieve.parts.actions.evict_merge import EvictThenMerge
@@ -46,6 +46,7 @@ class MergeInPlace:
         self.action: EvictThenMerge = action
         self._tables: dict[tuple[Any, ...], RotaryCosSin] = {}
         self._layer_keys: dict[int, tuple[Any, ...]] = {}  # each layer's table, by its frequencies and factor
+        self._steps: dict[int, GlobalLocalStep] = {}  # by budget: the parts' parameters do not change
 
     @staticmethod
     def applies(policy: Policy) -> bool:
@@ -55,11 +56,16 @@ class MergeInPlace:
 
     def step(self, budget: int) -> GlobalLocalStep:
         """The pass's parameters for a layer keeping ``budget`` entries per head (the action merges when
-        ``⌊(γ − 1)·B⌋ ≥ 1``, :meth:`EvictThenMerge.tbm_counts`)."""
+        ``⌊(γ − 1)·B⌋ ≥ 1``, :meth:`EvictThenMerge.tbm_counts`), made once per budget."""
+        known = self._steps.get(budget)
+        if known is not None:
+            return known
         gamma = float(self.action.gamma)
         merges = math.isinf(gamma) or math.floor(budget * (gamma - 1.0)) >= 1
         scorer = self.scorer
-        return GlobalLocalStep(scorer.window, scorer.kernel_size, scorer.use_global, merges, float(self.action.tau))
+        made = self._steps[budget] = GlobalLocalStep(scorer.window, scorer.kernel_size, scorer.use_global, merges,
+                                                     float(self.action.tau))
+        return made
 
     def rotary(self, config: Any, layer_idx: int, newest: int) -> RotaryCosSin:
         """The layer's rotary cos/sin table, unscaled, covering positions up to ``newest``
@@ -93,10 +99,10 @@ class MergeInPlace:
                                   self.rotary(config, layer_idx, newest))
 
 
-def decoding_bias(store: LayerStore) -> torch.Tensor | None:
-    """``log(count)`` of a uniform store's held entries once some entry was merged (as :meth:`LayerStep.bias
-    <kvsieve.core.step.LayerStep.bias>` computes it); None before."""
+def decoding_counts(store: LayerStore) -> torch.Tensor | None:
+    """The merge counts of a uniform store's held entries ``(batch, heads, L)``, a view of its side data, once some
+    entry was merged (what :meth:`LayerStep.bias <kvsieve.core.step.LayerStep.bias>` takes ``log(count)`` of: the
+    decoding pass takes it itself, :func:`kvsieve.native.decoding_rows.attend`); None before."""
     if MERGE_COUNT not in store.written_sides or MERGE_COUNT not in store.extras:
         return None
-    held = store.max_length
-    return count_bias(store.side_capacity_view(MERGE_COUNT).narrow(2, 0, held))
+    return store.side_capacity_view(MERGE_COUNT).narrow(2, 0, store.max_length)

@@ -25,7 +25,7 @@ from kvsieve.native.dequantize import OUT_KINDS
 
 #: The argument types of ``kvsieve_attend_rows`` (``tiers.c``).
 ARGUMENTS = (I32, I32, I32, I32, PTR, I32, I64, I64, PTR, F32, PTR, PTR, I32, I64, I64, I64, I64,
-             PTR, PTR, PTR)
+             PTR, PTR, I64, I32, PTR)
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -33,12 +33,16 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def attend(query: torch.Tensor, scaling: float, keys: torch.Tensor, values: torch.Tensor,
-           valid: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+           valid: torch.Tensor | None, bias: torch.Tensor | None, *,
+           counts: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Softmax attention of ``query`` ``(batch, q_heads, 1, d)`` over ``keys``/``values`` ``(batch, kv_heads, L, d)``
     (any strides but a unit stride over ``d``, the same for both), ``valid`` ``(batch, kv_heads, L)`` bool or None,
-    ``bias`` ``(batch, kv_heads, L)`` added to every logit of its entry (None: none). Returns the output
-    ``(batch, 1, q_heads, d)`` in the query's dtype and the rows ``(batch, q_heads, 1, L)`` float32 (invalid entries
-    0), or None where the pass does not apply (module docstring; a row that sees no entry included)."""
+    ``bias`` ``(batch, kv_heads, L)`` added to every logit of its entry (None: none) — with ``counts``, EMS's merge
+    counts, whose ``log(max(count, 1))`` the pass adds (:func:`~kvsieve.core.step.count_bias`, within an ulp: the C
+    library's ``logf``), read in place from a store's side data (issue 22: the bias's four operations per layer and
+    step). Returns the output ``(batch, 1, q_heads, d)`` in the query's dtype and the rows ``(batch, q_heads, 1, L)``
+    float32 (invalid entries 0), or None where the pass does not apply (module docstring; a row that sees no entry
+    included)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     rows = q_heads // kv_heads if kv_heads else 0
@@ -54,11 +58,30 @@ def attend(query: torch.Tensor, scaling: float, keys: torch.Tensor, values: torc
     if kernel is None:
         return None
     ok = None if valid is None else valid.contiguous()
-    offsets = None if bias is None else bias.float().contiguous()
+    offsets, offsets_stride = None, 0
+    if bias is not None:
+        offsets_stride = segment_stride(bias)
+        offsets = bias
+        if bias.dtype != torch.float32 or offsets_stride is None or offsets_stride < length:
+            offsets = bias.float().contiguous()
+            offsets_stride = length
     out = torch.empty((batch, 1, q_heads, dim), dtype=query.dtype)
     probs = torch.empty((batch, q_heads, 1, length), dtype=torch.float32)
     status = kernel(batch, kv_heads, rows, dim, query.data_ptr(), query_kind, query.stride(0), query.stride(1),
                     out.data_ptr(), scaling, keys.data_ptr(), values.data_ptr(), kind, keys.stride(0), keys.stride(1),
                     keys.stride(2), length, None if ok is None else ok.data_ptr(),
-                    None if offsets is None else offsets.data_ptr(), probs.data_ptr())
+                    None if offsets is None else offsets.data_ptr(), offsets_stride, int(counts), probs.data_ptr())
     return (out, probs) if status == 0 else None
+
+
+def segment_stride(t: torch.Tensor) -> int | None:
+    """The elements between consecutive (batch item, head) rows of ``t`` ``(batch, heads, L)`` read as one run of
+    rows (unit stride over ``L``), or None where they are not evenly spaced."""
+    batch, heads, length = t.shape
+    if length > 1 and t.stride(2) != 1:
+        return None
+    if heads == 1:
+        return t.stride(0) if batch > 1 else length
+    if batch > 1 and t.stride(0) != heads * t.stride(1):
+        return None
+    return t.stride(1)

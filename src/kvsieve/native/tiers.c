@@ -516,11 +516,30 @@ static void weigh(int rows, int dim, int value_group, int value_groups, const Ro
     fold(rows, dim, seg_max, seg_sum, seg_acc, m, l, acc);
 }
 
+/* logf(n) of the whole merge counts n < LOG_COUNTS (a count is a sum of whole token counts), filled when the library
+ * is loaded, before any call: a lookup instead of a logf per entry and step (EMS's bias). */
+#define LOG_COUNTS 4096
+static float log_counts[LOG_COUNTS];
+
+__attribute__((constructor)) static void fill_log_counts(void) {
+    for (int n = 0; n < LOG_COUNTS; ++n) log_counts[n] = logf(n < 1 ? 1.0f : (float)n);
+}
+
+/* log(max(count, 1)), as logf computes it. */
+static inline float log_count(float count) {
+    if (count < (float)LOG_COUNTS) {
+        const int whole = count < 1.0f ? 0 : (int)count;
+        if ((float)whole == count || count < 1.0f) return log_counts[whole];
+    }
+    return logf(count); /* a fraction, or past the table (NaN included: it stays NaN) */
+}
+
 /* n consecutive full-precision entries (rows key_base, value_base + e * row_bytes; ok: their validity or NULL), folded
- * into the state m, l, acc of the query rows q. */
+ * into the state m, l, acc of the query rows q. bias: a value per entry added to every row's logit, or NULL; with
+ * bias_counts, merge counts whose log(max(count, 1)) is added (EMS's bias, kvsieve.core.step.count_bias). */
 static int attend_dense_rows(int rows, int dim, const float *q, float scaling, const char *key_base,
                              const char *value_base, int kind, int64_t row_bytes, int64_t length, const uint8_t *ok,
-                             const float *bias, float *probs, float *m, float *l, float *acc) {
+                             const float *bias, int bias_counts, float *probs, float *m, float *l, float *acc) {
     const int64_t stride = (length + 7) / 8 * 8;
     float *logits = malloc(sizeof(float) * (size_t)(rows * stride));
     int64_t *entry = malloc(sizeof(int64_t) * (size_t)length);
@@ -539,8 +558,10 @@ static int attend_dense_rows(int rows, int dim, const float *q, float scaling, c
     KVSIEVE_BY_ROWS(KVSIEVE_LOGITS)
 #undef KVSIEVE_LOGITS
     if (bias)
-        for (int g = 0; g < rows; ++g)
-            for (int64_t i = 0; i < n; ++i) logits[g * stride + entry[i]] += bias[entry[i]];
+        for (int64_t i = 0; i < n; ++i) {
+            const float b = bias_counts ? log_count(bias[entry[i]]) : bias[entry[i]];
+            for (int g = 0; g < rows; ++g) logits[g * stride + entry[i]] += b;
+        }
     weigh(rows, dim, 8, dim / 8, &value_rows, entry, entry, n, NULL, logits, length, stride, m, l, acc);
     if (probs) /* from an empty state: l is this part's sum of weights, and a weight is exp(logit - max) */
         for (int g = 0; g < rows; ++g) {
@@ -560,7 +581,7 @@ static int attend_dense_segment(int64_t s, int heads, int rows, int dim, const f
     const int64_t esize = kind == OUT_FLOAT32 ? 4 : 2;
     const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
     return attend_dense_rows(rows, dim, q, scaling, keys + base, values + base, kind, stride_entry * esize, length,
-                             valid ? valid + s * length : NULL, NULL, NULL, m, l, acc);
+                             valid ? valid + s * length : NULL, NULL, 0, NULL, m, l, acc);
 }
 
 /* One tier's part of one segment, folded into its rows' state m, l, acc. */
@@ -762,8 +783,8 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
         float *m = states + u * state, *l = m + rows, *acc = l + rows;
         start_rows(s, heads, rows, dim, (const char *)query, query_kind, query_batch, query_head, q, m, l, acc);
         failed |= attend_dense_rows(rows, dim, q, scaling, (const char *)keys + row * row_bytes,
-                                    (const char *)values + row * row_bytes, kind, row_bytes, count, NULL, NULL, NULL, m, l,
-                                    acc);
+                                    (const char *)values + row * row_bytes, kind, row_bytes, count, NULL, NULL, 0, NULL, m,
+                                    l, acc);
     }
     for (int64_t s = 0; s < segments && !failed; ++s) {
         float *m = states + first[s] * state, *l = m + rows, *acc = l + rows;
@@ -787,7 +808,9 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
  * a scorer that compacts at every decoding step reads (H2O's and EMS's column sums, TOVA's last row) and the output
  * P.V from the same probabilities, as kvsieve.core.step.LayerStep.decoding_output_from_row computes them in PyTorch.
  * keys / values (batch, heads, length, dim) with element strides (unit over dim), valid (batch, heads, length) bool
- * or NULL, bias (batch, heads, length) float32 added to every query row's logits (EMS's log merge counts) or NULL;
+ * or NULL, bias float32 (batch, heads, length) with a stride of bias_stride elements per (batch item, head) (unit
+ * over length) added to every query row's logits, or NULL; with bias_counts, EMS's merge counts, whose
+ * log(max(count, 1)) is added (kvsieve.core.step.count_bias; the C library's logf, within an ulp of torch's log);
  * writes out (batch, 1, heads * rows, dim) in the query's dtype and probs (batch, heads * rows, length) float32
  * (invalid entries 0). One segment per (batch item, KV head), in parallel from KVSIEVE_PARALLEL_FROM entries.
  * Returns 0, or 1 for arguments it does not take.
@@ -795,10 +818,12 @@ int kvsieve_attend_segments(int batch, int heads, int rows, int dim, const void 
 int kvsieve_attend_rows(int batch, int heads, int rows, int dim, const void *query, int query_kind,
                         int64_t query_batch, int64_t query_head, void *out, float scaling, const void *keys,
                         const void *values, int kind, int64_t stride_batch, int64_t stride_head, int64_t stride_entry,
-                        int64_t length, const uint8_t *valid, const float *bias, float *probs) {
+                        int64_t length, const uint8_t *valid, const float *bias, int64_t bias_stride,
+                        int bias_counts, float *probs) {
 #ifdef KVSIEVE_VECTOR
     if (dim % 8 || dim > 256 || rows < 1 || rows > KVSIEVE_MAX_ROWS || kind < 0 || kind > 2 || query_kind < 0 ||
-        query_kind > 2 || batch < 1 || heads < 1 || length < 1 || !probs)
+        query_kind > 2 || batch < 1 || heads < 1 || length < 1 || !probs ||
+        (bias && bias_stride < length))
         return 1;
     const int64_t segments = (int64_t)batch * heads, esize = kind == OUT_FLOAT32 ? 4 : 2;
     int failed = 0;
@@ -809,7 +834,8 @@ int kvsieve_attend_rows(int batch, int heads, int rows, int dim, const void *que
         const int64_t base = ((s / heads) * stride_batch + (s % heads) * stride_head) * esize;
         failed |= attend_dense_rows(rows, dim, q, scaling, (const char *)keys + base, (const char *)values + base,
                                     kind, stride_entry * esize, length, valid ? valid + s * length : NULL,
-                                    bias ? bias + s * length : NULL, probs + s * rows * length, m, l, acc);
+                                    bias ? bias + s * bias_stride : NULL, bias_counts, probs + s * rows * length, m,
+                                    l, acc);
         for (int g = 0; g < rows && !failed; ++g) failed |= l[g] > 0.0f ? 0 : 1; /* a row that sees nothing */
         finish_rows(s, rows, dim, l, acc, (char *)out, query_kind);
     }
