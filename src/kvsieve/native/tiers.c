@@ -522,16 +522,14 @@ static void weigh(int rows, int dim, int value_group, int value_groups, const Ro
 static float log_counts[LOG_COUNTS];
 
 __attribute__((constructor)) static void fill_log_counts(void) {
-    for (int n = 0; n < LOG_COUNTS; ++n) log_counts[n] = logf(n < 1 ? 1.0f : (float)n);
+    for (int n = 1; n < LOG_COUNTS; ++n) log_counts[n] = logf((float)n);
 }
 
-/* log(max(count, 1)), as logf computes it. */
+/* log(max(count, 1)), as logf computes it (NaN stays NaN, as in torch). */
 static inline float log_count(float count) {
-    if (count < (float)LOG_COUNTS) {
-        const int whole = count < 1.0f ? 0 : (int)count;
-        if ((float)whole == count || count < 1.0f) return log_counts[whole];
-    }
-    return logf(count); /* a fraction, or past the table (NaN included: it stays NaN) */
+    if (count < 1.0f) return 0.0f; /* counts once */
+    if (count < (float)LOG_COUNTS && (float)(int)count == count) return log_counts[(int)count];
+    return logf(count); /* a fraction, past the table, or NaN */
 }
 
 /* n consecutive full-precision entries (rows key_base, value_base + e * row_bytes; ok: their validity or NULL), folded
