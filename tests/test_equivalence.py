@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ALL_ARCHS, build_model
 from helpers import generate, kvsieve_warnings, managed_layers, prompt, reference_cache, sliding_layers
 from transformers import DynamicCache
 
@@ -470,3 +471,56 @@ def test_a_merging_action_keeps_the_general_step_for_its_merge_counts(fresh_mode
     assert taken and not any(taken)
     assert "merge_count" in cache.layers[managed_layers(cache)[0]].store.extras
 
+
+
+@pytest.mark.parametrize(("policy", "params"), [
+    ("full", {}), ("snapkv", {"budget": 12, "window": 4}), ("h2o", {"budget": 12, "schedule": "decode"}),
+])
+@pytest.mark.parametrize("arch_name", ALL_ARCHS)
+def test_a_decoding_call_that_sdpas_form_serves_goes_straight_to_the_decoding_route(arch_name, policy, params,
+                                                                                   monkeypatch):
+    """The attention function hands a decoding call of a layer without a sliding window, soft-capping or sinks to
+    ``Engine.attend_decoding`` directly (issue 22: the general entry's layers of checks were ~1% of a small model's
+    step); a sliding-window layer's decoding calls, a soft-capped (Gemma2) or sink (GPT-OSS) model's, and every
+    prompt's go through ``Engine.attend``. ``full`` still gives plain transformers' tokens and logits bit for bit."""
+    from kvsieve.engine.engine import Engine
+
+    model = build_model(arch_name)
+    calls: list[tuple[str, int]] = []
+    inside = [False]
+    attend, attend_decoding = Engine.attend, Engine.attend_decoding
+
+    def spied_attend(self, layer, module, query, *args):
+        calls.append(("attend", layer.layer_idx))
+        inside[0] = True
+        try:
+            return attend(self, layer, module, query, *args)
+        finally:
+            inside[0] = False
+
+    def spied_attend_decoding(self, layer, *args):
+        if not inside[0]:
+            calls.append(("direct", layer.layer_idx))
+        return attend_decoding(self, layer, *args)
+
+    monkeypatch.setattr(Engine, "attend", spied_attend)
+    monkeypatch.setattr(Engine, "attend_decoding", spied_attend_decoding)
+    cache = kvsieve.KVCache(model, policy, **params)
+    ids = prompt(batch=2, length=PROMPT_LEN, seed=7)
+    with kvsieve_warnings():
+        seq, logits = generate(model, ids, cache, STEPS)
+    layers = len(cache.layers)
+    explicit = arch_name in ("gemma2", "gpt_oss")  # soft-capping / learned sinks: not SDPA's form
+    direct = [] if explicit else [i for i in range(layers) if i not in sliding_layers(cache)]
+    general = [i for i in range(layers) if i not in direct]
+    expected = [("attend", i) for i in range(layers)]  # the prompt
+    for _ in range(STEPS - 1):
+        expected += [("direct" if i in direct else "attend", i) for i in range(layers)]
+    assert calls == expected
+    assert len(general) < layers or explicit
+    if policy == "full":
+        ref = build_model(arch_name)
+        ref_seq, ref_logits = generate(ref, ids, DynamicCache(config=ref.config), STEPS)
+        assert torch.equal(seq, ref_seq)
+        for ours, theirs in zip(logits, ref_logits, strict=True):
+            assert torch.equal(ours, theirs)

@@ -400,3 +400,21 @@ def test_a_part_objects_settings_survive_other_parameters_of_that_part():
     assert policy.action == EvictThenMerge(gamma=2.0, tau=0.9)
     with pytest.raises(PolicyConfigError, match="alpha"):  # the object's values are still validated
         kvsieve.make_policy("snapkv", budget=64, allocator=Adaptive(alpha=0.5), alpha=2.0)
+
+
+def test_a_decoding_step_of_another_model_is_refused_and_changes_nothing(fresh_model):
+    """The decoding route (one query: ``KVLayer.attend_decoding``) refuses another model's attention module as the
+    prompt's does, before anything is appended; the cache then decodes with its own model as before."""
+    a, b = fresh_model("llama"), fresh_model("llama", seed=1)
+    cache = kvsieve.KVCache(a, "snapkv", budget=8, window=4)
+    kvsieve.prepare_model(b)
+    out = a(prompt(length=12), **cache_kwargs(a, cache))
+    token = out.logits[:, -1:].argmax(-1)
+    lengths, seen = cache.head_lengths(), cache.get_seq_length()
+    with pytest.raises(ValueError, match="another model"):
+        b(token, **cache_kwargs(b, cache))
+    assert torch.equal(cache.head_lengths(), lengths)
+    assert cache.get_seq_length() == seen
+    a(token, **cache_kwargs(a, cache))
+    assert cache.get_seq_length() == seen + 1
+    assert torch.equal(cache.head_lengths(), lengths + 1)

@@ -12,6 +12,7 @@ weights (``output_attentions`` under ``eager``) included.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,12 +39,18 @@ def attention_form(query: torch.Tensor, kwargs: dict[str, Any]) -> AttentionForm
     """The form the model asked for: ``scaling`` (default ``d^-0.5``), ``softcap`` (Gemma2's soft-capping) and
     ``s_aux`` (GPT-OSS's learned sinks, one logit per query head), as the attention function receives them."""
     scaling = kwargs.get("scaling")
-    sinks = kwargs.get("s_aux")
-    return AttentionForm(
-        float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-        kwargs.get("softcap"),
-        None if sinks is None else sinks.detach(),
-    )
+    scaling = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    if sinks is None and softcap is None:
+        return scaled_form(scaling)
+    return AttentionForm(scaling, softcap, None if sinks is None else sinks.detach())
+
+
+@functools.lru_cache(maxsize=64)
+def scaled_form(scaling: float) -> AttentionForm:
+    """SDPA's form (a scaling, no soft-capping, no sinks), made once per scaling: every layer of a model asks for the
+    same one at every call (the form is immutable)."""
+    return AttentionForm(scaling)
 
 
 def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
@@ -71,6 +78,11 @@ def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, t
             )
         form, window = attention_form(query, kwargs), kwargs.get("sliding_window")
         # cuDNN's kernel would build a plan for each new key length: every step, every ragged layer (backends.py)
+        if query.shape[2] == 1 and window is None and not form.explicit:  # a decoding call SDPA's form serves
+            if not query.is_cuda:  # what every CPU step takes: no closure, no device object
+                return layer.attend_decoding(module, query, padding, form), None
+            run = lambda: layer.attend_decoding(module, query, padding, form)  # noqa: E731
+            return without_cudnn_attention(query.device, run), None
         return without_cudnn_attention(query.device, lambda: layer.attend(module, query, padding, form, window)), None
 
     kvsieve_attention_forward.__qualname__ = f"kvsieve_attention_forward[{original}]"

@@ -75,8 +75,9 @@ class StoreAppend(StoreLayout):
             pos = positions4.narrow(2, length, q)
             pos.copy_(torch.arange(first_position, first_position + q, device=self.device).expand(pos.shape))
         if q == 1:  # the new slot only: pending deferred values stay pending
-            for slot_view, fill in self._side_slot_views(length, cap):
-                slot_view.fill_(fill)
+            if self._extras:
+                for slot_view, fill in self._side_slot_views(length, cap):
+                    slot_view.fill_(fill)
         else:
             for name, t in self._extras.items():
                 t.view(self.batch, self.heads, cap, *t.shape[1:]).narrow(2, length, q).fill_(self.side_specs[name].fill)

@@ -143,6 +143,11 @@ class StoreLayout:
     def extras(self, value: dict[str, torch.Tensor]) -> None:
         self._extras = value
 
+    @property
+    def holds_side(self) -> bool:
+        """Whether the store holds any side-data field."""
+        return bool(self._extras)
+
     def side_names(self) -> tuple[str, ...]:
         """The side-data fields this store holds (nothing is computed: pending deferred values stay pending)."""
         return tuple(self._extras)

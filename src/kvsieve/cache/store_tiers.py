@@ -57,7 +57,7 @@ class StoreTiers(StoreCompaction):
     @property
     def tiered(self) -> bool:
         """Whether any tier holds entries (then :meth:`dense` is the combined view)."""
-        return any(not tier.empty for tier in self.tiers)
+        return bool(self.tiers) and any(not tier.empty for tier in self.tiers)
 
     # ------------------------------------------------------------------ sizes
     def lengths(self) -> torch.Tensor:

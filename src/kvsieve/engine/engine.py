@@ -61,6 +61,16 @@ from kvsieve.transformers_adapter import sdpa_attention
 __all__ = ["Engine", "LayerState"]
 
 
+def check_mask_covers(padding: torch.Tensor | None, seen: int, q_len: int) -> None:
+    """Refuse a padding mask that does not cover every token so far (the cache has seen ``seen``, the call adds
+    ``q_len``)."""
+    if padding is not None and padding.shape[-1] < seen + q_len:
+        raise ValueError(
+            f"attention_mask covers {padding.shape[-1]} tokens but the cache has seen {seen} and this "
+            f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
+        )
+
+
 class Engine:
     """Runs a :class:`Policy` on the layers of one cache: the per-layer step, with its helpers for prompt
     deferral (:class:`Deferral`), layer plans (:class:`LayerPlans`) and global plans (:class:`GlobalPlans`).
@@ -207,26 +217,49 @@ class Engine:
     ) -> torch.Tensor:
         """Append, attend, observe and maybe compact one layer; returns ``(batch, q, q_heads, d)``.
 
-        The arguments are the attention function's; they become one :class:`LayerCall` here.
+        The arguments are the attention function's; they become one :class:`LayerCall` here. A decoding call that
+        SDPA's form serves is :meth:`attend_decoding`'s (the attention function calls it directly).
         """
+        q_len = query.shape[2]
+        if q_len == 1 and sliding_window is None and not form.explicit:
+            return self.attend_decoding(layer, module, query, attention_mask, form)
         new_keys, new_values = layer.take_pending()
-        q_len, seen = query.shape[2], layer.seen
         self._deferral.settle(layer.layer_idx, continuation=q_len > 1)
-        if attention_mask is not None and attention_mask.shape[-1] < seen + q_len:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache has seen {seen} and this "
-                f"call adds {q_len}; pass the mask of all tokens so far (shape (batch, {seen + q_len}))"
-            )
-        if q_len == 1 and (self._in_place is not None or self._merge is not None) and sliding_window is None \
-                and not form.explicit:
-            output = self._evicting_step(layer, module, query, new_keys, new_values, attention_mask, form)
+        check_mask_covers(attention_mask, layer.seen, q_len)
+        return self._general_step(layer, module, query, new_keys, new_values, attention_mask, form, sliding_window)
+
+    def attend_decoding(
+        self,
+        layer: LayerState,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        padding: torch.Tensor | None,
+        form: AttentionForm,
+    ) -> torch.Tensor:
+        """:meth:`attend` for a decoding call that SDPA's form serves (one query, no sliding window, no soft-capping
+        or sinks), which the attention function routes here directly (issue 22: the general call's layers of
+        checks cost ~1% of a small model's decoding step): every-step eviction in one pass
+        (:meth:`_evicting_step`), a plain step (:meth:`_plain_decoding_step`), else the general step."""
+        new_keys, new_values = layer.take_pending()
+        self._deferral.settle(layer.layer_idx, continuation=False)
+        if padding is not None:
+            check_mask_covers(padding, layer.seen, 1)
+        if self._in_place is not None or self._merge is not None:
+            output = self._evicting_step(layer, module, query, new_keys, new_values, padding, form)
             if output is not None:
                 return output
-        if q_len == 1 and (self._decodes_plainly or self._defers_plainly) and sliding_window is None \
-                and not form.explicit:
-            output = self._plain_decoding_step(layer, module, query, new_keys, new_values, attention_mask, form)
+        if self._decodes_plainly or self._defers_plainly:
+            output = self._plain_decoding_step(layer, module, query, new_keys, new_values, padding, form)
             if output is not None:
                 return output
+        return self._general_step(layer, module, query, new_keys, new_values, padding, form, None)
+
+    def _general_step(
+        self, layer: LayerState, module: torch.nn.Module, query: torch.Tensor, new_keys: torch.Tensor,
+        new_values: torch.Tensor, attention_mask: torch.Tensor | None, form: AttentionForm, sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Describe the call and run :meth:`_step` on it (in blocks where the policy prefills block-wise)."""
+        q_len, seen = query.shape[2], layer.seen
         call = LayerCall(
             layer, module, query, new_keys, new_values, self._padding(attention_mask), form, sliding_window,
             layer.take_layer_inputs(),
@@ -262,8 +295,9 @@ class Engine:
         assert store is not None
         seen = layer.seen
         if self.probe is not None or seen == 0 or store.hooks \
-                or not self._passive_side.issuperset(store.side_names()) \
-                or self._token_valid(self._padding(attention_mask), seen, 1) is not None:
+                or (store.holds_side and not self._passive_side.issuperset(store.side_names())) \
+                or (attention_mask is not None
+                    and self._token_valid(self._padding(attention_mask), seen, 1) is not None):
             return None
         if self._reconstructs and not self.reconstructed and self._deferral.compactions == 0:
             return None  # the general step warns that the probe has not run

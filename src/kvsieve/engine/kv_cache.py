@@ -133,16 +133,30 @@ class KVLayer(CacheLayerMixin):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Called by the registered attention function with this layer's tagged keys: the engine's work."""
-        if getattr(module, "config", self.cache.model_config) is not self.cache.model_config:
-            self._pending = None
-            raise ValueError(
-                "this KVCache was built for another model instance; build one KVCache per model (KVCache(model, ...))"
-            )
+        self._check_module(module)
         output = self.cache.engine.attend(self, module, query, attention_mask, form, sliding_window)
         memo: dict[object, torch.Tensor] = {}  # statistics of the same entries, computed once for all
         for follower in self.followers:
             follower.cache.engine.observe_only(follower, module, query, attention_mask, form, sliding_window, memo)
         return output
+
+    def attend_decoding(
+        self, module: torch.nn.Module, query: torch.Tensor, padding: torch.Tensor | None, form: AttentionForm
+    ) -> torch.Tensor:
+        """:meth:`attend` for a decoding call of one query with no sliding window and SDPA's form (no soft-capping,
+        no sinks): the registered attention function's direct route to :meth:`Engine.attend_decoding`."""
+        if self.followers:  # a shared forward's followers observe it: the general call
+            return self.attend(module, query, padding, form, None)
+        self._check_module(module)
+        return self.cache.engine.attend_decoding(self, module, query, padding, form)
+
+    def _check_module(self, module: torch.nn.Module) -> None:
+        """Refuse an attention module of another model instance (nothing appended; the pending entries dropped)."""
+        if getattr(module, "config", self.cache.model_config) is not self.cache.model_config:
+            self._pending = None
+            raise ValueError(
+                "this KVCache was built for another model instance; build one KVCache per model (KVCache(model, ...))"
+            )
 
     def get_seq_length(self) -> int:
         """Logical length: tokens seen, not entries held."""
