@@ -238,40 +238,6 @@ def test_decoding_appends_start_side_data_at_its_fill_across_view_windows_growth
     assert replaced is not None and replaced() is None  # the growth's old buffer, viewed ahead, is freed
 
 
-def test_held_views_are_the_held_entries_across_view_windows_keeps_and_growths():
-    """A uniform layout's held keys and values (``held_views``: what a plain decoding step attends over) come, from
-    the second read of the same buffers on, from views made ahead for the next ``HELD_VIEWS`` lengths: over more
-    steps than a window and a growth hold, with a keep between (new buffers, a shorter length), every read is the
-    held entries exactly, a zero-copy view of the store's buffers; the buffers a growth replaced are freed."""
-    import gc
-    import weakref
-
-    from kvsieve.cache.store_layout import HELD_VIEWS
-
-    store = make_store()
-    keys, values = kv(5, seed=3)
-    store.append(keys, values, 0, None)
-    replaced = None
-    for step in range(HELD_VIEWS + GROWTH + 7):
-        if step == HELD_VIEWS // 2:  # keep all but the first entry of every segment: new buffers
-            length = store.max_length
-            store.keep(torch.arange(1, length).expand(B * H, length - 1).contiguous(),
-                       torch.full((B * H,), length - 1))
-        if step == 3:
-            replaced = weakref.ref(store.keys)
-        store.append(*kv(1, seed=100 + step), 5 + step, None)
-        for _ in range(2):  # a second read of the same length takes the same views
-            held_keys, held_values = store.held_views()
-            view = store.dense()
-            assert torch.equal(held_keys, view.keys) and torch.equal(held_values, view.values), step
-            assert held_keys.shape[2] == store.max_length
-            assert held_keys.data_ptr() == store.keys.data_ptr() and held_values.data_ptr() == store.values.data_ptr()
-    assert store.is_uniform
-    del held_keys, held_values, view
-    gc.collect()
-    assert replaced is not None and replaced() is None  # the growth's old buffer, viewed ahead, is freed
-
-
 def test_replaced_buffers_are_freed():
     """The uniform store's cached capacity views hold the buffers they view; once a compaction (to a ragged layout
     here, which never reads them) or a growth replaces the buffers, the old ones must be freed — a prompt's

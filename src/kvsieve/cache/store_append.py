@@ -149,7 +149,7 @@ class StoreAppend(StoreLayout):
         self.keys, self.values, self.positions = grow(self.keys), grow(self.values), grow(self.positions)
         self.extras = {name: grow(t) for name, t in self.extras.items()}
         self._uniform = (length, capacity)
-        self._capacity_cache = self._slot_cache = self._side_slot_cache = self._held_cache = None
+        self._capacity_cache = self._slot_cache = self._side_slot_cache = None
         self._merge_buffers = None
         self._gather_cache = None
         self._segment_lookup = None

@@ -287,10 +287,9 @@ class StoreCompaction(StoreLayout):
         assert self._uniform is not None
         length, cap = self._uniform
         # the same buffers: their views stay
-        kept = self._capacity_cache, self._merge_buffers, self._slot_cache, self._side_slot_cache, self._held_cache
+        kept = self._capacity_cache, self._merge_buffers, self._slot_cache, self._side_slot_cache
         self._set_uniform(length - 1, cap)
-        (self._capacity_cache, self._merge_buffers, self._slot_cache, self._side_slot_cache,
-         self._held_cache) = kept
+        self._capacity_cache, self._merge_buffers, self._slot_cache, self._side_slot_cache = kept
         self._layout_changed()
         return True
 

@@ -38,9 +38,6 @@ from kvsieve.native.merge_lowest import MergeBuffers
 #: Keys, values and positions of a uniform layout viewed ``(batch, heads, capacity, ...)``.
 CapacityViews = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-#: Held views a uniform layout makes at once for the next lengths (:meth:`StoreLayout.held_views`).
-HELD_VIEWS = 64
-
 
 class LayoutListener(Protocol):
     """What a store tells of its layout changes (:class:`~kvsieve.cache.store_hook.StoreHook` is one)."""
@@ -120,10 +117,6 @@ class StoreLayout:
         #: and the buffers they view, the first slot, and per slot each buffer's view with its fill (None: none yet).
         self._side_slot_cache: tuple[int, tuple[torch.Tensor, ...], int,
                                      tuple[tuple[tuple[torch.Tensor, float], ...], ...] | None] | None = None
-        #: The held keys' and values' views for the next lengths (:meth:`held_views`): the capacity views they come
-        #: from, the first length, and per buffer one view per length (None: one read made none yet).
-        self._held_cache: tuple[CapacityViews, int, tuple[torch.Tensor, ...] | None,
-                                tuple[torch.Tensor, ...] | None] | None = None
         self._merge_buffers: MergeBuffers | None = None  # the EMS pass's checked view (store_compaction)
         #: The strided runs' views (:meth:`run_views`) with the buffers and validity bias they view.
         self._run_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, RunViews] | None = None
@@ -258,7 +251,7 @@ class StoreLayout:
         self._appended = None
         self._groups = None
         # they hold the buffers they view: a replaced one must be freed
-        self._capacity_cache = self._slot_cache = self._side_slot_cache = self._held_cache = None
+        self._capacity_cache = self._slot_cache = self._side_slot_cache = None
         self._merge_buffers = None  # likewise
         self._run_views = None  # likewise
         self._padded_cache = None  # likewise
@@ -529,25 +522,11 @@ class StoreLayout:
 
     def held_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A uniform layout's held keys and values ``(batch, heads, L, d)``: zero-copy views, no positions or side
-        data (what a decoding step that only attends needs). From the second read of the same buffers on, taken from
-        views made at once for the next :data:`HELD_VIEWS` lengths (issue 22: two ``narrow`` calls and their Python
-        were ~13 µs per layer and decoding step inside a small model on a slow CPU, ~0.8% of ``full``'s step); the
-        first read of new buffers narrows, so a layout replaced at every step makes no views it would not use. The
-        views are windows of the buffers: an in-place drop keeps them (``StoreCompaction._dropped_in_place``)."""
+        data (what a decoding step that only attends needs)."""
         assert self._uniform is not None
-        views = self.capacity_views()
-        length, cap = self._uniform
-        cached = self._held_cache
-        if cached is None or cached[0] is not views:  # the first read of these buffers: no views made ahead
-            self._held_cache = (views, length, None, None)
-            return views[0].narrow(2, 0, length), views[1].narrow(2, 0, length)
-        if cached[2] is not None and cached[1] <= length < cached[1] + len(cached[2]):
-            return cached[2][length - cached[1]], cached[3][length - cached[1]]
-        lengths = range(length, min(length + HELD_VIEWS, cap + 1))
-        made = (views, length, tuple(views[0].narrow(2, 0, n) for n in lengths),
-                tuple(views[1].narrow(2, 0, n) for n in lengths))
-        self._held_cache = made
-        return made[2][0], made[3][0]
+        keys, values, _ = self.capacity_views()
+        length = self._uniform[0]
+        return keys.narrow(2, 0, length), values.narrow(2, 0, length)
 
     def dense(self) -> DenseView:
         """Padded view ``(batch, heads, L, ...)`` of all entries; ``valid`` is None if nothing is padded."""
