@@ -145,7 +145,7 @@ class StoreLayout:
 
     @property
     def holds_side(self) -> bool:
-        """Whether the store holds any side-data field."""
+        """Whether the store holds any side-data field (unlike :attr:`extras`, nothing deferred is settled)."""
         return bool(self._extras)
 
     def side_names(self) -> tuple[str, ...]:
