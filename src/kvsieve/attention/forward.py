@@ -78,7 +78,7 @@ def make_attention_forward(original: str) -> Callable[..., tuple[torch.Tensor, t
             )
         form, window = attention_form(query, kwargs), kwargs.get("sliding_window")
         # cuDNN's kernel would build a plan for each new key length: every step, every ragged layer (backends.py)
-        if query.shape[2] == 1 and window is None and not form.explicit:  # a decoding call SDPA's form serves
+        if form.serves_decoding(query.shape[2], window):
             if not query.is_cuda:  # what every CPU step takes: no closure, no device object
                 return layer.attend_decoding(module, query, padding, form), None
             run = lambda: layer.attend_decoding(module, query, padding, form)  # noqa: E731

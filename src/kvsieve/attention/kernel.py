@@ -59,6 +59,11 @@ class AttentionForm:
         """Whether outputs need the explicit path (SDPA cannot soft-cap or add sinks)."""
         return self.softcap is not None or self.sinks is not None
 
+    def serves_decoding(self, q_len: int, sliding_window: int | None) -> bool:
+        """Whether a call of ``q_len`` queries is a decoding call this form lets SDPA serve (one query, no sliding
+        window, no soft-capping or sinks): the calls the engine's decoding route takes (``Engine.attend_decoding``)."""
+        return q_len == 1 and sliding_window is None and not self.explicit
+
     def cap(self, logits: torch.Tensor) -> torch.Tensor:
         """Soft-capped logits ``tanh(x / cap)·cap`` (the modeling files' order of operations); unchanged without."""
         if self.softcap is None:

@@ -221,7 +221,7 @@ class Engine:
         SDPA's form serves is :meth:`attend_decoding`'s (the attention function calls it directly).
         """
         q_len = query.shape[2]
-        if q_len == 1 and sliding_window is None and not form.explicit:
+        if form.serves_decoding(q_len, sliding_window):
             return self.attend_decoding(layer, module, query, attention_mask, form)
         new_keys, new_values = layer.take_pending()
         self._deferral.settle(layer.layer_idx, continuation=q_len > 1)
